@@ -1,0 +1,112 @@
+"""Continuous batching: outputs independent of batch composition; KV returned; small pools still finish."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.sampling import InvalidParameterError, SamplingParams
+
+
+def _mixed_prompts(engine, n: int = 16) -> list[list[int]]:
+    rng = random.Random(7)
+    words = "the river mountain quiet engine spark garden ocean silver paper lantern music window".split()
+    prompts = []
+    for i in range(n):
+        length = rng.choice([3, 8, 20, 60, 150])
+        prompts.append(engine.encode(" ".join(rng.choice(words) for _ in range(length))))
+    return prompts
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=[4, 12, 20, 33][i % 4], temperature=0, ignore_eos=True)
+
+
+def test_batch_equals_each_alone_and_frees_kv(smol_engine):
+    prompts = _mixed_prompts(smol_engine)
+    params = [_params(i) for i in range(len(prompts))]
+    together = smol_engine.generate(prompts, params)
+    alone = [smol_engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [len(r.token_ids) for r in together] == [p.max_new_tokens for p in params]
+    stats = smol_engine.stats.values
+    assert stats["kv_used_tokens"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_pool_too_small_for_all_still_finishes(smol_engine):
+    prompts = _mixed_prompts(smol_engine)
+    params = [_params(i) for i in range(len(prompts))]
+    ref = smol_engine.generate(prompts, params)
+    total = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+    # about a quarter of what all need at once, chunked prefill forcing several steps per long prompt
+    cfg = EngineConfig(dtype="float32", max_total_tokens=256, chunked_prefill_size=64, block_size=16)
+    assert cfg.max_total_tokens < total / 2
+    with Engine(cfg) as eng:
+        out = eng.generate(prompts, params)
+        assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+        assert eng.stats.values["num_preemptions"] > 0
+        assert eng.stats.values["kv_used_tokens"] == 0
+
+
+def test_seeded_sampling_reproducible_across_batches(smol_engine):
+    prompt = smol_engine.encode("Write a poem about the sea:")
+    sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = smol_engine.generate([prompt], [sp])[0].token_ids
+    others = _mixed_prompts(smol_engine, 6)
+    mixed = smol_engine.generate(others[:3] + [prompt] + others[3:],
+                                 [SamplingParams(max_new_tokens=10, temperature=1.0)] * 3 + [sp]
+                                 + [SamplingParams(max_new_tokens=5, temperature=0.7, seed=9)] * 3)
+    assert mixed[3].token_ids == alone
+    other_seed = smol_engine.generate([prompt], [SamplingParams(max_new_tokens=24, temperature=0.9, seed=99)])[0]
+    assert other_seed.token_ids != alone
+
+
+def test_sampling_controls(smol_engine):
+    prompt = smol_engine.encode("List some fruits: apple, banana,")
+    # top_k=1 is greedy whatever the temperature
+    greedy = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    k1 = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=3,
+                                                       ignore_eos=True))[0]
+    assert k1.token_ids == greedy.token_ids
+    # a strong repetition penalty changes a greedy continuation that repeats tokens
+    pen = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.8,
+                                                        ignore_eos=True))[0]
+    assert pen.token_ids != greedy.token_ids
+    # stop token ids end generation on that token
+    stop_at = greedy.token_ids[5]
+    cut = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0,
+                                                        stop_token_ids=(stop_at,)))[0]
+    assert cut.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
+    assert cut.finish_reason == "stop"
+    # logprobs: the chosen token's logprob plus top alternatives, greedy picks the top one
+    lp = smol_engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=3))[0]
+    assert len(lp.logprobs) == 4
+    for entry in lp.logprobs:
+        assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id
+        assert entry.logprob <= 0 and abs(entry.logprob - entry.top[0][1]) < 1e-5
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("temperature", -0.5, "temperature"), ("temperature", float("nan"), "temperature"),
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -3, "top_k"), ("min_p", 2.0, "min_p"),
+    ("max_new_tokens", 0, "max_tokens"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("presence_penalty", 3.0, "presence_penalty"), ("frequency_penalty", float("inf"), "frequency_penalty"),
+    ("seed", -1, "seed"), ("logprobs", 50, "top_logprobs"), ("stop_token_ids", (10**9,), "stop_token_ids"),
+])
+def test_invalid_sampling_params_rejected(smol_engine, field, value, param):
+    with pytest.raises(InvalidParameterError) as err:
+        smol_engine.generate([[1, 2, 3]], SamplingParams(**{field: value}))
+    assert err.value.param == param
+    assert str(err.value)
+
+
+def test_prompt_beyond_context_fails_cleanly(smol_dir):
+    from worker.engine import RequestFailedError
+
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=128)) as eng:
+        with pytest.raises(RequestFailedError, match="context limit"):
+            eng.generate([[5] * 200], SamplingParams(max_new_tokens=2))
+        assert eng.generate([[5] * 10], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"

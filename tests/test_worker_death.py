@@ -1,0 +1,50 @@
+"""A worker that dies makes the engine fail fast with a clear error, never hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from worker.config import EngineConfig
+from worker.engine import Engine, EngineDeadError
+from worker.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killing_a_worker_fails_pending_requests_within_seconds(tiny_llama, victim):
+    eng = Engine(EngineConfig(model_path=str(tiny_llama), dtype="float32", tp_size=2, max_total_tokens=4096,
+                              dist_timeout=30))
+    try:
+        errors: list[BaseException] = []
+        started = threading.Event()
+
+        def run() -> None:
+            started.set()
+            try:
+                eng.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=1900, temperature=0, ignore_eos=True))
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        started.wait()
+        deadline = time.monotonic() + 60
+        while eng.stats.values.get("steps", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for progress, not papering over a race
+        assert eng.stats.values["steps"] >= 3
+        killed_at = time.monotonic()
+        os.kill(eng.worker_pids[victim], signal.SIGKILL)
+        t.join(timeout=20)
+        assert not t.is_alive(), "generate() hung after a worker was killed"
+        assert time.monotonic() - killed_at < 20
+        assert errors and isinstance(errors[0], EngineDeadError)
+        assert "exited" in str(errors[0]) or "rank" in str(errors[0])
+        assert eng.dead_reason is not None
+        with pytest.raises(EngineDeadError):
+            eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    finally:
+        eng.shutdown()

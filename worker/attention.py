@@ -1,0 +1,94 @@
+"""Paged KV cache and masked attention over a ragged batch.
+
+The seam where fused kernels would plug in: `attend(q, k, v, cache, meta)`. The reference path here pads
+the batch, gathers each sequence's keys by slot, and runs torch SDPA with a boolean mask, which covers
+prefill, chunked prefill, decode and EAGLE tree verification (custom masks) on CPU, CUDA and ROCm alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: q_len new tokens after ctx_len cached ones."""
+
+    ctx_len: int
+    q_len: int
+    block_table: list[int]
+    tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool: which new tokens each new token sees
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
+    q_pad_index: torch.Tensor  # [B*T] flat token index of each padded query row
+    out_index: torch.Tensor  # [N] padded row of each token
+    kv_slots: torch.Tensor  # [B, L] cache slot of each key position
+    mask: torch.Tensor | None  # [B, 1, T, L] bool, None when every query may see every key
+    batch: int
+    max_q: int
+
+
+def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device) -> AttentionMetadata:
+    B = len(seqs)
+    q_lens = torch.tensor([s.q_len for s in seqs])
+    ctx = torch.tensor([s.ctx_len for s in seqs])
+    kv_lens = ctx + q_lens
+    T, L = int(q_lens.max()), int(kv_lens.max())
+    max_blocks = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(B, max_blocks, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    kpos = torch.arange(L)
+    kv_slots = tables[:, kpos // block_size] * block_size + kpos % block_size  # [B, L]
+    key_valid = kpos.unsqueeze(0) < kv_lens.unsqueeze(1)
+    kv_slots = torch.where(key_valid, kv_slots, torch.zeros_like(kv_slots))
+
+    t = torch.arange(T)
+    q_valid = t.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, T]
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    q_pad_index = torch.where(q_valid, starts.unsqueeze(1) + t, torch.zeros_like(q_valid, dtype=torch.long))
+    out_index = (torch.arange(B).unsqueeze(1) * T + t)[q_valid]
+    qpos = ctx.unsqueeze(1) + t  # [B, T]
+    slot_mapping = kv_slots.gather(1, qpos.clamp(max=L - 1))[q_valid]
+
+    has_tree = any(s.tree_mask is not None for s in seqs)
+    if T == 1 and bool((kv_lens == L).all()):
+        mask = None  # pure decode of equal lengths: nothing to hide
+    else:
+        mask = (kpos.view(1, 1, L) <= qpos.unsqueeze(2)) & key_valid.unsqueeze(1)  # causal within each row
+        if has_tree:
+            for i, s in enumerate(seqs):
+                if s.tree_mask is not None:
+                    c, n = s.ctx_len, s.q_len
+                    mask[i, :n, c : c + n] = s.tree_mask
+        mask[:, :, 0] |= ~q_valid  # padded query rows see one key, keeping softmax finite
+        mask = mask.unsqueeze(1)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        q_pad_index=q_pad_index.reshape(-1).to(device),
+        out_index=out_index.to(device),
+        kv_slots=kv_slots.to(device),
+        mask=None if mask is None else mask.to(device),
+        batch=B,
+        max_q=T,
+    )
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [N, H, D]; k, v: [N, Hkv, D] for the new tokens. Writes k, v into the cache, returns [N, H, D]."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    B, T = meta.batch, meta.max_q
+    H, D = q.shape[1], q.shape[2]
+    qp = q[meta.q_pad_index].view(B, T, H, D).transpose(1, 2)
+    kp = k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    vp = v_cache[meta.kv_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(B * T, H, D)[meta.out_index]

@@ -1,0 +1,84 @@
+"""Frozen engine configuration, passed down to every component instead of globals."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """EAGLE speculative decoding settings (SGLang flag names)."""
+
+    algorithm: str = "NONE"  # NONE | EAGLE | EAGLE3
+    draft_model_path: str | None = None
+    num_steps: int = 4
+    eagle_topk: int = 1
+    num_draft_tokens: int = 5
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm.upper() != "NONE"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine and its workers need to know; identical on every rank."""
+
+    model_path: str = DEFAULT_MODEL
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    tp_size: int = 1
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
+    mem_fraction: float = 0.3  # of free memory given to the KV pool when max_total_tokens is None
+    block_size: int = 16
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    max_model_len: int | None = None
+    # distributed
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; None: a free local port
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_timeout: float = 60.0  # seconds; bounds every collective
+    num_threads: int | None = None  # torch intra-op threads per worker; None: cores / local ranks
+    seed: int = 0
+    # EAGLE-3 needs hidden states from these target layers; filled in by the speculative config
+    aux_hidden_layers: tuple[int, ...] = ()
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    # reliability
+    rank_consistency_check_interval: int = 1
+    debug_rank_logit_noise: float = 0.0
+    debug_skip_decision_broadcast: bool = False
+    startup_timeout: float = 600.0
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("node_rank must be in [0, nnodes)")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.block_size < 1 or self.chunked_prefill_size < 1 or self.max_running_requests < 1:
+            raise ValueError("block_size, chunked_prefill_size and max_running_requests must be >= 1")
+        if self.debug_skip_decision_broadcast and not self.debug_rank_logit_noise:
+            raise ValueError(
+                "--debug-skip-decision-broadcast is refused without --debug-rank-logit-noise: "
+                "it exists only to prove the divergence guard in tests"
+            )
+        if self.spec.algorithm.upper() not in ("NONE", "EAGLE", "EAGLE3"):
+            raise ValueError(f"unknown speculative algorithm {self.spec.algorithm!r}")
+
+    @property
+    def local_tp_size(self) -> int:
+        return self.tp_size // self.nnodes

@@ -1,0 +1,69 @@
+"""The tensor-parallel group a rank belongs to, and the few collectives the engine uses."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TPGroup:
+    """One rank's view of its TP group: a device group for activations, a gloo group for control."""
+
+    rank: int
+    size: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_tensor(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank src's tensor overwrites everyone's (control group, so CPU tensors)."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.cpu_group)
+        return x
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        """Pickle on rank src, one length broadcast then one payload broadcast on the control group."""
+        if self.size == 1:
+            return obj
+        if self.rank == src:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(length, src=src, group=self.cpu_group)
+        if self.rank != src:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=src, group=self.cpu_group)
+        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+
+    def all_gather_int64(self, values: torch.Tensor) -> torch.Tensor:
+        """Gather a small int64 vector from every rank: [size, n]. Used by the divergence guard."""
+        if self.size == 1:
+            return values.unsqueeze(0)
+        out = [torch.empty_like(values) for _ in range(self.size)]
+        dist.all_gather(out, values, group=self.cpu_group)
+        return torch.stack(out)
+
+
+def single_rank_group(device: torch.device) -> TPGroup:
+    return TPGroup(rank=0, size=1, device=device)

@@ -1,0 +1,342 @@
+"""The front-end side of the engine: starts and supervises the TP worker processes, sends them requests
+over pyzmq, and routes their outputs to per-request queues (sync or asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_sentinels
+
+import zmq
+
+from .config import EngineConfig
+from .loader import check_tp_divisibility
+from .model_config import load_model_config
+from .model_files import resolve_model
+from .protocol import AbortRequest, AddRequest, Fatal, Ready, RequestOutput, Shutdown, StepReport
+from .rank_main import run_rank
+from .sampling import InvalidParameterError, SamplingParams, TokenLogprobs
+from .tokenizer import load_tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The worker group failed (a rank died, diverged or timed out); the engine serves nothing more."""
+
+
+class RequestFailedError(RuntimeError):
+    pass
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: a thread-safe queue, or an asyncio queue fed from our thread."""
+
+    put: Callable[[object], None]
+    done: bool = False
+
+
+@dataclass
+class EngineStats:
+    values: dict = field(default_factory=dict)
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, on_step: Callable[[StepReport], None] | None = None):
+        config.validate()
+        self.config = config
+        self.source = resolve_model(config.model_path)
+        self.model_cfg = load_model_config(self.source)
+        check_tp_divisibility(self.model_cfg, config.tp_size)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)
+        self.on_step = on_step
+        self._sinks: dict[str, _Sink] = {}
+        self._lock = threading.Lock()
+        self._dead: str | None = None
+        self._dead_event = threading.Event()
+        self._closing = False
+        self.stats = EngineStats()
+        self._ipc_dir = tempfile.mkdtemp(prefix="eaglegate-")
+        self._zctx = zmq.Context()
+        self._to_leader = self._zctx.socket(zmq.PUSH)
+        self._to_leader.setsockopt(zmq.LINGER, 0)
+        in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        self._to_leader.bind(in_addr)
+        self._from_leader = self._zctx.socket(zmq.PULL)
+        self._from_leader.bind(out_addr)
+        self._procs = self._start_workers(in_addr, out_addr)
+        t0 = time.monotonic()
+        self.ready = self._wait_ready()
+        self.load_seconds = time.monotonic() - t0
+        self.stats.values = {"running": 0, "waiting": 0, "kv_used_tokens": 0,
+                             "kv_total_tokens": self.ready.kv_total_tokens, "steps": 0}
+        self._receiver = threading.Thread(target=self._receive_loop, name="eaglegate-receiver", daemon=True)
+        self._receiver.start()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="eaglegate-monitor", daemon=True)
+        self._monitor.start()
+
+    # --- worker processes ------------------------------------------------------------------------------
+    def _start_workers(self, in_addr: str, out_addr: str) -> list[mp.Process]:
+        cfg = self.config
+        addr = cfg.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        init_method = f"tcp://{addr}"
+        ctx = mp.get_context("spawn")
+        procs = []
+        local = cfg.local_tp_size
+        for local_rank in range(local):
+            rank = cfg.node_rank * local + local_rank
+            p = ctx.Process(target=run_rank, args=(cfg, rank, local_rank, init_method, in_addr, out_addr),
+                            name=f"eaglegate-tp{rank}", daemon=True)
+            p.start()
+            procs.append(p)
+        return procs
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def _wait_ready(self) -> Ready:
+        deadline = time.monotonic() + self.config.startup_timeout
+        while time.monotonic() < deadline:
+            if self._from_leader.poll(200):
+                msg = self._from_leader.recv_pyobj()
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, Fatal):
+                    self._kill_workers()
+                    raise EngineDeadError(f"engine failed to start: {msg.message}")
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead:
+                # rank 0's Fatal report, sent just before it exited, says more than an exit code
+                reason = f"worker {dead[0].name} exited with code {dead[0].exitcode}"
+                while self._from_leader.poll(1000):
+                    msg = self._from_leader.recv_pyobj()
+                    if isinstance(msg, Fatal):
+                        reason = msg.message
+                        break
+                self._kill_workers()
+                raise EngineDeadError(f"engine failed to start: {reason}")
+        self._kill_workers()
+        raise EngineDeadError(f"engine did not become ready within {self.config.startup_timeout:.0f} s")
+
+    def _kill_workers(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+
+    def _monitor_loop(self) -> None:
+        sentinels = [p.sentinel for p in self._procs]
+        wait_sentinels(sentinels)
+        if self._closing:
+            return
+        self._dead_event.wait(0.5)  # rank 0's own Fatal report, if one is on its way, says more
+        self._mark_dead("")
+
+    def _death_note(self) -> str:
+        dead = [p for p in self._procs if p.exitcode is not None]
+        return "; ".join(f"worker {p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+
+    def _mark_dead(self, reported: str) -> None:
+        """Fail every pending request. A rank-0 report and the exit codes of dead workers make the reason."""
+        if not self._closing:
+            # a dead follower makes rank 0 report a broken pipe; give the exit codes a moment to show
+            deadline = time.monotonic() + 1.0
+            while not self._death_note() and time.monotonic() < deadline:
+                wait_sentinels([p.sentinel for p in self._procs], timeout=0.05)
+        note = self._death_note()
+        reason = "; ".join(x for x in (note, reported and f"rank 0 reported: {reported}") if x) or "engine stopped"
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = reason
+            self._dead_event.set()
+            sinks = list(self._sinks.items())
+            self._sinks.clear()
+        for _, sink in sinks:
+            sink.put(EngineDeadError(reason))
+        if not self._closing:
+            self._kill_workers()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._closing
+
+    # --- outputs ---------------------------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        while not self._closing:
+            try:
+                if not self._from_leader.poll(100):
+                    continue
+                msg = self._from_leader.recv_pyobj()
+            except zmq.ZMQError:
+                return
+            if isinstance(msg, Fatal):
+                self._mark_dead(msg.message)
+                continue
+            if not isinstance(msg, StepReport):
+                continue
+            self.stats.values = msg.stats
+            self.stats.last_progress = time.monotonic()
+            for out in msg.outputs:
+                with self._lock:
+                    sink = self._sinks.get(out.request_id)
+                    if sink is not None and out.finish_reason is not None:
+                        del self._sinks[out.request_id]
+                if sink is not None:
+                    sink.put(out)
+            if self.on_step is not None:
+                self.on_step(msg)
+
+    # --- requests --------------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        with self._lock:
+            self._to_leader.send_pyobj(msg)
+
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams]], sinks: list[_Sink]) -> None:
+        """Dispatch a batch of requests to rank 0 in one message."""
+        for _, _, params in requests:
+            params.validate(self.model_cfg.vocab_size)
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            if self._closing:
+                raise EngineDeadError("engine is shutting down")
+            for (rid, _, _), sink in zip(requests, sinks):
+                if rid in self._sinks:
+                    raise InvalidParameterError("request_id", f"request id {rid!r} is already in flight")
+                self._sinks[rid] = sink
+            for rid, ids, params in requests:
+                self._to_leader.send_pyobj(AddRequest(rid, list(ids), params))
+
+    def abort(self, request_id: str) -> None:
+        """Ask rank 0 to drop a request; it frees the KV slots on every rank by its next step."""
+        if self._dead is None and not self._closing:
+            try:
+                self._send(AbortRequest(request_id))
+            except zmq.ZMQError:
+                pass
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 timeout: float | None = None) -> list[GenerationResult]:
+        """Offline batch generation: submits every prompt at once and waits for all of them."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.encode(p) for p in prompts]
+        rids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in prompts]
+        queues = [queue.SimpleQueue() for _ in prompts]
+        self.submit(list(zip(rids, ids, params_list)), [_Sink(q.put) for q in queues])
+        results = []
+        for rid, prompt_ids, q, p in zip(rids, ids, queues, params_list):
+            tokens: list[int] = []
+            logprobs: list[TokenLogprobs] | None = [] if p.logprobs is not None else None
+            while True:
+                item = q.get(timeout=timeout)
+                if isinstance(item, Exception):
+                    raise item
+                assert isinstance(item, RequestOutput)
+                if item.error:
+                    raise RequestFailedError(item.error)
+                tokens.extend(item.token_ids)
+                if logprobs is not None and item.logprobs:
+                    logprobs.extend(item.logprobs)
+                if item.finish_reason is not None:
+                    break
+            results.append(GenerationResult(rid, prompt_ids, tokens,
+                                            self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                            item.finish_reason, logprobs))
+        return results
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs as rank 0 produces them; leaving early aborts the request on every rank."""
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self.submit([(rid, prompt_ids, params)], [_Sink(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))])
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                with self._lock:
+                    self._sinks.pop(rid, None)
+                self.abort(rid)
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._dead is None:
+            try:
+                self._send(Shutdown())
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._kill_workers()
+        with self._lock:
+            sinks = list(self._sinks.values())
+            self._sinks.clear()
+        for sink in sinks:
+            sink.put(EngineDeadError("engine shut down"))
+        self._receiver.join(timeout=2)
+        self._to_leader.close()
+        self._from_leader.close()
+        self._zctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+_ids = itertools.count()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

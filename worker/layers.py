@@ -1,0 +1,191 @@
+"""Tensor-parallel building blocks. Each parameter carries a weight_loader that takes the full
+checkpoint tensor and keeps only this rank's shard, so no rank ever holds another's weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dist import TPGroup
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(got)}, model expects {tuple(want)}")
+
+
+def kv_head_range(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """KV heads this rank holds: a slice when tp divides them, one replicated head when tp exceeds them."""
+    if num_kv_heads >= tp.size:
+        n = num_kv_heads // tp.size
+        return tp.rank * n, n
+    return tp.rank // (tp.size // num_kv_heads), 1
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split along its input dim; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.in_features, self.out_features = tp, in_features, out_features
+        self.in_local = in_features // tp.size
+        self.weight = _param((out_features, self.in_local), dtype, self._load)
+
+    def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
+        _check_shape("row-parallel weight", w.shape, (self.out_features, self.in_features))
+        param.data.copy_(w[:, self.tp.rank * self.in_local : (self.tp.rank + 1) * self.in_local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class QKVParallelLinear(nn.Module):
+    """Packed q, k, v projections, column-parallel by heads (KV heads replicated when tp > kv heads)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, tp: TPGroup,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.hidden, self.head_dim = tp, hidden, head_dim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.heads_local = num_heads // tp.size
+        self.kv_start, self.kv_local = kv_head_range(num_kv_heads, tp)
+        self.q_size = self.heads_local * head_dim
+        self.kv_size = self.kv_local * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _param((out, hidden), dtype, self._load)
+        self.bias = _param((out,), dtype, self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id: str) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            total, start, n, offset = self.num_heads, self.tp.rank * self.heads_local, self.heads_local, 0
+        else:
+            total, start, n = self.num_kv_heads, self.kv_start, self.kv_local
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        _check_shape(f"{shard_id}_proj", w.shape, (total * d, *param.shape[1:]))
+        param.data[offset : offset + n * d].copy_(w[start * d : (start + n) * d])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several projections of the same input packed into one matmul, each split along its output dim."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.in_features, self.out_sizes = tp, in_features, out_sizes
+        self.local_sizes = [s // tp.size for s in out_sizes]
+        self.weight = _param((sum(self.local_sizes), in_features), dtype, self._load)
+
+    def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id: int) -> None:
+        _check_shape(f"merged shard {shard_id}", w.shape, (self.out_sizes[shard_id], self.in_features))
+        n = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        param.data[offset : offset + n].copy_(w[self.tp.rank * n : (self.tp.rank + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range; each rank looks up its range and the results are summed."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.vocab_size, self.hidden = tp, vocab_size, hidden
+        self.rows = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = _param((self.rows, hidden), dtype, self._load)
+
+    def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
+        _check_shape("embedding", w.shape, (self.vocab_size, self.hidden))
+        part = w[self.start : self.start + self.rows]
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-split output projection; local logits are gathered so every rank sees the full row."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, tied: bool, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.vocab_size = tp, embedding.vocab_size
+        if tied:
+            self.weight = embedding.weight
+        else:
+            self.weight = _param(tuple(embedding.weight.shape), dtype, embedding._load)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((hidden,), dtype, lambda p, w, s=None: p.data.copy_(w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float]) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    # Llama 3.1 frequency-dependent scaling
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, float]):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q, k: [N, heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,157 @@
+"""Rank 0: takes requests, schedules, broadcasts each step's plan, samples, and reports to the front end."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .config import EngineConfig
+from .dist import TPGroup
+from .guard import check_consistency, fingerprint
+from .protocol import AbortRequest, AddRequest, RequestOutput, StepPlan, StepReport
+from .runner import ModelRunner
+from .sampling import apply_penalties, filter_probs, sample_from_probs, top_logprobs
+from .scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
+
+
+class Leader:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tp: TPGroup):
+        self.config, self.runner, self.tp = config, runner, tp
+        self.model_cfg = runner.model_cfg
+        pool = BlockPool(runner.num_blocks, config.block_size)
+        self.max_model_len = min(config.max_model_len or self.model_cfg.max_position_embeddings,
+                                 runner.model.rope.cos.shape[0], pool.num_blocks * pool.block_size - self.reserve)
+        self.scheduler = Scheduler(pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len)
+        self.rng = torch.Generator()
+        self.rng.manual_seed(config.seed)
+        self.step_no = 0
+        self.next_seq_id = 0
+        self.outputs: list[RequestOutput] = []
+        self.step_metrics: dict = {}
+        self.eos_ids = tuple(self.model_cfg.eos_token_ids)
+
+    @property
+    def reserve(self) -> int:
+        """Extra KV slots a decoding sequence needs per step (speculation overrides this)."""
+        return 0
+
+    # --- requests -------------------------------------------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            seq = self.scheduler.by_request.get(msg.request_id)
+            if seq is not None:
+                self.scheduler.finish(seq, "abort")
+                self._report(seq)
+
+    def _add(self, req: AddRequest) -> None:
+        n = len(req.prompt_ids)
+        if n == 0 or n >= self.max_model_len:
+            self.outputs.append(RequestOutput(req.request_id, [], None, "error", n, 0,
+                                              error=f"prompt has {n} tokens; it must have between 1 and "
+                                                    f"{self.max_model_len - 1} (the context limit)"))
+            return
+        gen = torch.Generator(device=self.tp.device)
+        seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
+        gen.manual_seed(seed)
+        seq = Sequence(self.next_seq_id, req.request_id, list(req.prompt_ids), n, req.params, gen)
+        self.next_seq_id += 1
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step -----------------------------------------------------------------------------------
+    def build_plan(self, batch: list[ScheduledSeq]) -> StepPlan:
+        ids: list[int] = []
+        seqs, rows = [], []
+        for item in batch:
+            s = item.seq
+            ids.extend(s.token_ids[s.num_cached : s.num_cached + item.num_tokens])
+            seqs.append((s.num_cached, item.num_tokens, list(s.block_table)))
+            if item.samples:
+                rows.append(len(ids) - 1)
+        return StepPlan(self.step_no, "forward", ids, seqs, rows)
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule(self.reserve)
+        if not batch:
+            return
+        self.step_no += 1
+        plan = self.build_plan(batch)
+        self.tp.broadcast_object(plan)
+        logits, _, _ = self.runner.forward(plan)
+        sampled = [item for item in batch if item.samples]
+        for item in batch:
+            item.seq.num_cached += item.num_tokens
+        for row, item in enumerate(sampled):
+            self._sample_and_append(item.seq, logits[row])
+        maybe_check(self.config, self.tp, plan, committed_lengths(plan))
+
+    def _sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        raw = logits
+        if p.has_penalties:
+            logits = logits.clone()
+            apply_penalties(logits, p, seq.token_ids[: seq.num_prompt], seq.output_ids)
+        if p.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            token = sample_from_probs(filter_probs(logits, p), seq.generator)
+        self.append_tokens(seq, [token], [raw] if p.logprobs is not None else None)
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], logits_rows: list[torch.Tensor] | None) -> None:
+        """Append tokens in order, stopping at the first that finishes the sequence; report either way."""
+        for i, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            seq.pending_tokens.append(tok)
+            if logits_rows is not None:
+                seq.pending_logprobs.append(top_logprobs(logits_rows[i], tok, seq.params.logprobs or 0))
+            if self.scheduler.check_finished(seq, self.eos_ids):
+                self.scheduler.finish(seq)
+                break
+        self._report(seq)
+
+    def _report(self, seq: Sequence) -> None:
+        self.outputs.append(RequestOutput(
+            seq.request_id, seq.pending_tokens, seq.pending_logprobs if seq.params.logprobs is not None else None,
+            seq.finish_reason, seq.num_prompt, len(seq.output_ids)))
+        seq.pending_tokens, seq.pending_logprobs = [], []
+
+    def take_report(self) -> StepReport | None:
+        if not self.outputs and not self.step_metrics:
+            return None
+        stats = self.scheduler.stats() | {"steps": self.step_no, "time": time.time()}
+        report = StepReport(self.outputs, stats, self.step_metrics)
+        self.outputs, self.step_metrics = [], {}
+        return report
+
+    def fail_all(self, message: str) -> None:
+        for seq in list(self.scheduler.by_request.values()):
+            self.scheduler.finish(seq, "error")
+            self.outputs.append(RequestOutput(seq.request_id, [], None, "error", seq.num_prompt,
+                                              len(seq.output_ids), error=message))
+
+
+def follower_step(config: EngineConfig, runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
+    """A non-zero rank's share of a plain step: the same forward (its collectives pair with rank 0's)."""
+    runner.forward(plan)
+    maybe_check(config, tp, plan, committed_lengths(plan))
+
+
+def committed_lengths(plan: StepPlan) -> list[int]:
+    """Token count of each sequence after the step: cached tokens, plus one if the step sampled for it."""
+    sampled_ends = set(plan.sample_rows)
+    out, end = [], -1
+    for ctx, q, _ in plan.seqs:
+        end += q
+        out.append(ctx + q + (1 if end in sampled_ends else 0))
+    return out
+
+
+def maybe_check(config: EngineConfig, tp: TPGroup, plan: StepPlan, committed: list[int]) -> None:
+    interval = config.rank_consistency_check_interval
+    if tp.size > 1 and interval and plan.step % interval == 0:
+        check_consistency(tp, plan.step, fingerprint(plan, committed))

@@ -1,0 +1,48 @@
+"""Build this rank's shard of the target model from a resolved source."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import EngineConfig
+from .dist import TPGroup
+from .model import CausalLM
+from .model_config import ModelConfig, load_model_config
+from .model_files import ModelLoadError, ModelSource
+from .weights import iter_checkpoint, load_weights
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "float16":
+        if device.type == "cpu":
+            raise ValueError("float16 is supported on GPU only; use bfloat16 or float32 on CPU")
+        return torch.float16
+    if name == "bfloat16":
+        return torch.bfloat16
+    # auto: bfloat16 where the hardware has it
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    cap = torch.backends.cpu.get_cpu_capability()
+    return torch.bfloat16 if cap in ("AVX512", "AVX512_BF16", "AMX") or "AMX" in cap else torch.float32
+
+
+def check_tp_divisibility(cfg: ModelConfig, tp_size: int) -> None:
+    if cfg.num_heads % tp_size:
+        raise ModelLoadError(f"tp_size {tp_size} does not divide the {cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % tp_size and tp_size % cfg.num_kv_heads:
+        raise ModelLoadError(f"tp_size {tp_size} and the {cfg.num_kv_heads} KV heads: one must divide the other")
+    if cfg.intermediate_size % tp_size:
+        raise ModelLoadError(f"tp_size {tp_size} does not divide intermediate size {cfg.intermediate_size}")
+
+
+def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype,
+                show_progress: bool = False) -> tuple[CausalLM, ModelConfig]:
+    cfg = load_model_config(source)
+    check_tp_divisibility(cfg, tp.size)
+    max_pos = config.max_model_len or cfg.max_position_embeddings
+    model = CausalLM(cfg, tp, dtype, max_pos, config.aux_hidden_layers)
+    ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
+    load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress), ignore)
+    return model.to(tp.device).eval(), cfg

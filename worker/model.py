@@ -1,0 +1,113 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) built from tensor-parallel layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionMetadata, attend
+from .dist import TPGroup
+from .layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from .model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, rope: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          cfg.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, dtype)
+        self.rope = rope
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        p = self.qkv_proj
+        q, k, v = self.qkv_proj(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        n, d = x.shape[0], self.head_dim
+        q, k = self.rope(positions, q.view(n, -1, d), k.view(n, -1, d))
+        out = attend(q, k, v.view(n, -1, d), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, tp, dtype, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+
+    def forward(self, x, positions, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """forward() returns the final-normed hidden states plus the residual stream after `aux_layers`
+    (what EAGLE-3 fuses); compute_logits() applies the vocab-parallel LM head."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int,
+                 aux_layers: tuple[int, ...] = ()):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.aux_layers = set(aux_layers)
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, dtype)
+        self.rope = rope
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.embed_tokens(input_ids)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
+            x = layer(x, positions, kv[i][0], kv[i][1], meta)
+        return self.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def param_map(self) -> dict[str, tuple[str, object]]:
+        """Checkpoint (Hugging Face) name -> (this module's parameter name, shard id)."""
+        m: dict[str, tuple[str, object]] = {"model.embed_tokens.weight": ("embed_tokens.weight", None),
+                                           "model.norm.weight": ("norm.weight", None)}
+        if not self.cfg.tie_word_embeddings:
+            m["lm_head.weight"] = ("lm_head.weight", None)
+        for i in range(self.cfg.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for proj in ("q", "k", "v"):
+                m[f"{src}self_attn.{proj}_proj.weight"] = (f"{dst}self_attn.qkv_proj.weight", proj)
+                if self.cfg.attention_bias:
+                    m[f"{src}self_attn.{proj}_proj.bias"] = (f"{dst}self_attn.qkv_proj.bias", proj)
+            m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
+            m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
+            m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
+            m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
+            m[f"{src}input_layernorm.weight"] = (f"{dst}input_layernorm.weight", None)
+            m[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_attention_layernorm.weight", None)
+        return m

@@ -1,0 +1,134 @@
+"""Architecture hyper-parameters read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .model_files import ModelLoadError, ModelSource
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # llama | mistral | qwen2
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, as sorted items
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, float]:
+        return dict(self.rope_scaling)
+
+
+def _rope_scaling(raw: dict | None) -> tuple[tuple[str, float], ...]:
+    if not raw:
+        return ()
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind in (None, "default"):
+        return ()
+    if kind != "llama3":
+        raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: llama3")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return tuple(sorted((k, float(raw[k])) for k in keys))
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    archs = hf.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unknown architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = hf["num_attention_heads"]
+    rope_params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+        rope_scaling=_rope_scaling(scaling),
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+    )
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    fields = reader.fields
+
+    def get(key: str, default=None):
+        f = fields.get(key)
+        return f.contents() if f is not None else default
+
+    arch = get("general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ModelLoadError(f"unknown GGUF architecture {arch!r}; supported: llama, mistral, qwen2")
+    heads = get(f"{arch}.attention.head_count")
+    hidden = get(f"{arch}.embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens"))
+    eos = get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(get(f"{arch}.feed_forward_length")),
+        num_layers=int(get(f"{arch}.block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get(f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=arch == "qwen2",
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=get("tokenizer.ggml.bos_token_id"),
+    )
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(str(source.path))
+        except Exception as e:  # gguf raises assorted errors on truncated or corrupt files
+            raise ModelLoadError(f"cannot read GGUF file {source.path}: {e}") from e
+        return config_from_gguf(reader)
+    cfg_path = source.path / "config.json"
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
+    return config_from_hf(hf)

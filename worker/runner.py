@@ -1,0 +1,88 @@
+"""Executes a StepPlan on one rank: builds tensors, runs the sharded forward, returns logits.
+
+Every rank runs this identically; only rank 0 looks at the logits to decide anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .attention import SeqSlice, build_attention_metadata
+from .config import EngineConfig
+from .dist import TPGroup
+from .loader import load_target, resolve_dtype
+from .model_files import ModelSource
+from .protocol import StepPlan
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    attn = model.layers[0].self_attn.qkv_proj
+    return 2 * len(model.layers) * attn.kv_size * torch.finfo(dtype).bits // 8
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+CPU_DEFAULT_MAX_TOKENS = 65536
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup, show_progress: bool = False):
+        self.config, self.tp = config, tp
+        self.dtype = resolve_dtype(config.dtype, tp.device)
+        self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
+        self.block_size = config.block_size
+        self.num_blocks = self._agree_num_blocks()
+        slots = self.num_blocks * self.block_size
+        kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
+        shape = (slots, kv_local, self.model_cfg.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=self.dtype, device=tp.device),
+                    torch.zeros(shape, dtype=self.dtype, device=tp.device)) for _ in range(self.model_cfg.num_layers)]
+        self.noise_gen = torch.Generator(device=tp.device)
+        self.noise_gen.manual_seed(1000 + tp.rank)
+
+    def _agree_num_blocks(self) -> int:
+        """Size the pool from the token budget, or from free memory; all ranks take the minimum."""
+        if self.config.max_total_tokens:
+            tokens = self.config.max_total_tokens
+        else:
+            tokens = int(available_memory(self.tp.device) * self.config.mem_fraction) // kv_bytes_per_token(
+                self.model, self.dtype)
+            if self.tp.device.type == "cpu":
+                tokens = min(tokens, CPU_DEFAULT_MAX_TOKENS)
+        blocks = torch.tensor([max(1, tokens // self.block_size)], dtype=torch.int64)
+        if self.tp.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+        return int(blocks.item())
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Run the plan's tokens; returns (logits of sample_rows in float32, hidden states, aux hidden states)."""
+        dev = self.tp.device
+        masks = plan.tree_masks or {}
+        slices = [SeqSlice(c, q, bt, masks.get(i)) for i, (c, q, bt) in enumerate(plan.seqs)]
+        meta = build_attention_metadata(slices, self.block_size, dev)
+        if plan.positions is not None:
+            positions = torch.tensor(plan.positions, dtype=torch.long)
+        else:
+            positions = torch.cat([torch.arange(s.ctx_len, s.ctx_len + s.q_len) for s in slices])
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
+        hidden, aux = self.model(ids, positions.to(dev), self.kv, meta)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[rows]).float()
+        return self.perturb(logits), hidden, aux
+
+    def perturb(self, logits: torch.Tensor) -> torch.Tensor:
+        """Fault injection: rank-dependent noise imitating all-reduce results that differ bit-wise by rank."""
+        scale = self.config.debug_rank_logit_noise
+        if scale:
+            noise = torch.randn(logits.shape, generator=self.noise_gen, device=logits.device)
+            logits = logits + scale * noise
+        return logits

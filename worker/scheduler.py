@@ -1,0 +1,175 @@
+"""Rank 0's continuous-batching scheduler over a paged KV pool.
+
+A sequence is its token list plus how many of those tokens have KV in the cache. Each step feeds every
+running sequence its uncached tokens (one for a decode, a chunk for a prefill) within a token budget, so
+prefill, chunked prefill, decode and recompute-after-preemption are one code path. Only rank 0 runs this;
+the other ranks execute the plans it broadcasts and never hold scheduling state of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams, TokenLogprobs
+
+
+class BlockPool:
+    """Free list of KV blocks; a block holds `block_size` consecutive token slots of one sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free)
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+        blocks.clear()
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    generator: torch.Generator
+    arrival: float = field(default_factory=time.monotonic)
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_scheduled: float | None = None
+    # tokens produced but not yet reported to the front end
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step, starting at seq.num_cached
+
+    @property
+    def samples(self) -> bool:
+        """A token is sampled when this chunk reaches the end of the sequence's tokens."""
+        return self.seq.num_cached + self.num_tokens == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_running: int, token_budget: int, max_model_len: int):
+        self.pool = pool
+        self.max_running, self.token_budget, self.max_model_len = max_running, token_budget, max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_request: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.by_request[seq.request_id] = seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, seq: Sequence, total_tokens: int) -> bool:
+        need = self.pool.blocks_for(total_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop a sequence's KV and requeue it at the front; it is recomputed from its tokens later."""
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self, reserve: int = 0) -> list[ScheduledSeq]:
+        """Pick this step's work. `reserve` extra slots per decoding sequence (EAGLE's draft tree)."""
+        budget = self.token_budget
+        batch: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq not in self.running or budget <= 0:
+                continue
+            n = min(seq.num_uncached, budget)
+            extra = reserve if n == seq.num_uncached else 0
+            while not self._grow(seq, seq.num_cached + n + extra):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            n = min(seq.num_uncached, budget)
+            extra = reserve if n == seq.num_uncached else 0
+            if not self._grow(seq, seq.num_cached + n + extra):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def check_finished(self, seq: Sequence, eos_ids: tuple[int, ...]) -> bool:
+        """Called after each appended token; sets finish_reason when the sequence is done."""
+        last = seq.token_ids[-1]
+        p = seq.params
+        if (not p.ignore_eos and last in eos_ids) or last in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Remove a sequence from every queue and return its KV blocks."""
+        if reason is not None:
+            seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.block_table)
+        self.by_request.pop(seq.request_id, None)
+
+    def stats(self) -> dict[str, int]:
+        used = (self.pool.num_blocks - self.pool.num_free) * self.pool.block_size
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_used_tokens": used,
+            "kv_total_tokens": self.pool.num_blocks * self.pool.block_size,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,128 @@
+"""Stream checkpoint tensors (GGUF or safetensors) under Hugging Face names into a sharded model."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .model_config import ModelConfig
+from .model_files import ModelLoadError, ModelSource
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp interleaves q/k rows for its rope layout; undo it to get Hugging Face's."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf(path: Path, cfg: ModelConfig, show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
+    for t in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=not show_progress, leave=False):
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            if t.name.startswith("rope_freqs"):
+                continue
+            yield t.name, torch.empty(0)  # reported as leftover
+            continue
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        if cfg.architecture in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                w = _unpermute_rope(w, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute_rope(w, cfg.num_kv_heads)
+        yield name, w
+
+
+def iter_safetensors(folder: Path, show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"bad shard index {index}: {e}") from e
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    for fname in tqdm(files, desc="loading safetensors", unit="file", disable=not show_progress, leave=False):
+        try:
+            with safe_open(str(folder / fname), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError / OSError on truncated files
+            raise ModelLoadError(f"cannot read {folder / fname} (truncated or corrupt?): {e}") from e
+
+
+def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.kind == "gguf":
+        return iter_gguf(source.path, cfg, show_progress)
+    return iter_safetensors(source.path, show_progress)
+
+
+def load_weights(model: nn.Module, name_map: dict[str, tuple[str, object]],
+                 tensors: Iterator[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()) -> None:
+    """Feed each checkpoint tensor to its parameter's weight_loader; every parameter exactly once."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = set(name_map)
+    seen: set[str] = set()
+    leftover: list[str] = []
+    for name, tensor in tensors:
+        if name not in name_map:
+            if not any(re.fullmatch(p, name) for p in ignore):
+                leftover.append(name)
+            continue
+        pname, shard = name_map[name]
+        param = params[pname]
+        try:
+            param.weight_loader(param, tensor, shard)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from e
+        seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{more}")
+    if leftover:
+        more = f" (+{len(leftover) - 5} more)" if len(leftover) > 5 else ""
+        raise ModelLoadError(f"checkpoint has unexpected tensors: {', '.join(sorted(leftover)[:5])}{more}")
