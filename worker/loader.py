@@ -6,6 +6,7 @@ import torch
 
 from .config import EngineConfig
 from .dist import TPGroup
+from .layers import pack_cpu_linears
 from .model import CausalLM
 from .model_config import ModelConfig, load_model_config
 from .model_files import ModelLoadError, ModelSource
@@ -45,4 +46,7 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     model = CausalLM(cfg, tp, dtype, max_pos, config.aux_hidden_layers)
     ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
     load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress), ignore)
-    return model.to(tp.device).eval(), cfg
+    model = model.to(tp.device).eval()
+    if dtype == torch.bfloat16 and tp.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        pack_cpu_linears(model)
+    return model, cfg

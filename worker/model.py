@@ -15,26 +15,26 @@ from .layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    apply_rope,
 )
 from .model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           cfg.attention_bias, tp, dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, dtype)
-        self.rope = rope
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         p = self.qkv_proj
         q, k, v = self.qkv_proj(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
         n, d = x.shape[0], self.head_dim
-        q, k = self.rope(positions, q.view(n, -1, d), k.view(n, -1, d))
+        q, k = apply_rope(q.view(n, -1, d), k.view(n, -1, d), *rope)
         out = attend(q, k, v.view(n, -1, d), k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
@@ -51,15 +51,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype, rope)
+        self.self_attn = Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, tp, dtype)
 
-    def forward(self, x, positions, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -72,21 +72,21 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.aux_layers = set(aux_layers)
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, dtype)
-        self.rope = rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed_tokens(input_ids)
+        rope = self.rope.table(positions, x.dtype)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux.append(x)
-            x = layer(x, positions, kv[i][0], kv[i][1], meta)
+            x = layer(x, rope, kv[i][0], kv[i][1], meta)
         return self.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

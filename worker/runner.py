@@ -17,6 +17,11 @@ from .model_files import ModelSource
 from .protocol import StepPlan
 
 
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float32 on CPU (see attention.py), the model dtype on GPUs."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
     attn = model.layers[0].self_attn.qkv_proj
     return 2 * len(model.layers) * attn.kv_size * torch.finfo(dtype).bits // 8
@@ -28,7 +33,7 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-CPU_DEFAULT_MAX_TOKENS = 65536
+CPU_DEFAULT_MAX_TOKENS = 32768
 
 
 class ModelRunner:
@@ -41,8 +46,9 @@ class ModelRunner:
         slots = self.num_blocks * self.block_size
         kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
         shape = (slots, kv_local, self.model_cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=self.dtype, device=tp.device),
-                    torch.zeros(shape, dtype=self.dtype, device=tp.device)) for _ in range(self.model_cfg.num_layers)]
+        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device)
+        self.kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
+                    torch.zeros(shape, dtype=self.kv_dtype, device=tp.device)) for _ in range(self.model_cfg.num_layers)]
         self.noise_gen = torch.Generator(device=tp.device)
         self.noise_gen.manual_seed(1000 + tp.rank)
 
@@ -52,7 +58,7 @@ class ModelRunner:
             tokens = self.config.max_total_tokens
         else:
             tokens = int(available_memory(self.tp.device) * self.config.mem_fraction) // kv_bytes_per_token(
-                self.model, self.dtype)
+                self.model, kv_cache_dtype(self.dtype, self.tp.device))
             if self.tp.device.type == "cpu":
                 tokens = min(tokens, CPU_DEFAULT_MAX_TOKENS)
         blocks = torch.tensor([max(1, tokens // self.block_size)], dtype=torch.int64)
