@@ -52,3 +52,79 @@ def chat(engine: Engine, text: str) -> str:
 
 
 assert default_model_dir  # re-exported for tests
+
+
+class ServerProcess:
+    """A real `python -m server serve` subprocess on a free port."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
+        import socket
+        import subprocess
+        import tempfile
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.api_key = api_key
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="eaglegate-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)  # waiting for start-up, bounded by the deadline
+        raise RuntimeError(f"server not healthy within {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(self.base_url + "/engine/stats", headers=self.headers(), timeout=5).json()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+API_KEY = "sk-test-eaglegate-123"
+
+
+@pytest.fixture(scope="session")
+def api_server(smol_dir):
+    server = ServerProcess(["--dtype", "float32", "--max-total-tokens", "16384", "--speculative-algorithm", "NONE"],
+                           api_key=API_KEY)
+    yield server
+    server.stop()

@@ -38,3 +38,36 @@ def save_tiny_model(folder: Path, arch: str = "llama", heads: int = 4, kv_heads:
     for f in tok_src.iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
     return folder
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendant pids of a process, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(p)
+    return out

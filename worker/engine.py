@@ -4,7 +4,6 @@ over pyzmq, and routes their outputs to per-request queues (sync or asyncio)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -17,6 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import zmq
 
@@ -66,6 +67,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class AsyncRequest:
+    """One in-flight request seen from an asyncio loop. cancel() aborts it on every rank unless finished."""
+
+    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sink = _Sink(lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item))
+        self.finished = False
+
+    async def next(self) -> RequestOutput:
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+            self.engine.abort(self.request_id)
 
 
 class Engine:
@@ -194,6 +220,16 @@ class Engine:
     def is_alive(self) -> bool:
         return self._dead is None and not self._closing
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def stalled_for(self) -> float:
+        """Seconds since the last completed step while requests are in flight; 0 when idle."""
+        if not self._sinks:
+            return 0.0
+        return time.monotonic() - self.stats.last_progress
+
     # --- outputs ---------------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
         while not self._closing:
@@ -234,6 +270,8 @@ class Engine:
                 raise EngineDeadError(self._dead)
             if self._closing:
                 raise EngineDeadError("engine is shutting down")
+            if not self._sinks:
+                self.stats.last_progress = time.monotonic()  # idle until now: the stall clock starts here
             for (rid, _, _), sink in zip(requests, sinks):
                 if rid in self._sinks:
                     raise InvalidParameterError("request_id", f"request id {rid!r} is already in flight")
@@ -281,30 +319,26 @@ class Engine:
                                             item.finish_reason, logprobs))
         return results
 
+    def add_async(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[AsyncRequest]:
+        """Submit a batch from an asyncio loop; each AsyncRequest yields its RequestOutputs."""
+        loop = asyncio.get_running_loop()
+        handles = [AsyncRequest(self, rid, loop) for rid, _, _ in requests]
+        self.submit(requests, [h.sink for h in handles])
+        return handles
+
     async def stream(self, prompt_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs as rank 0 produces them; leaving early aborts the request on every rank."""
-        rid = request_id or f"req-{uuid.uuid4().hex}"
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self.submit([(rid, prompt_ids, params)], [_Sink(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))])
-        finished = False
+        (handle,) = self.add_async([(request_id or f"req-{uuid.uuid4().hex}", prompt_ids, params)])
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
+            while not handle.finished:
+                yield await handle.next()
         finally:
-            if not finished:
-                with self._lock:
-                    self._sinks.pop(rid, None)
-                self.abort(rid)
+            handle.cancel()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._sinks.pop(request_id, None)
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -338,5 +372,24 @@ class Engine:
         self.shutdown()
 
 
-_ids = itertools.count()
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+def run_follower_node(config: EngineConfig) -> int:
+    """A node other than 0 in a multi-node TP group: run the local ranks until rank 0 shuts them down."""
+    config.validate()
+    if not config.dist_init_addr:
+        raise ValueError("--dist-init-addr is required when --node-rank > 0")
+    ctx = mp.get_context("spawn")
+    local = config.local_tp_size
+    procs = []
+    for local_rank in range(local):
+        rank = config.node_rank * local + local_rank
+        p = ctx.Process(target=run_rank, args=(config, rank, local_rank, f"tcp://{config.dist_init_addr}", "", ""),
+                        name=f"eaglegate-tp{rank}")
+        p.start()
+        procs.append(p)
+    wait_sentinels([p.sentinel for p in procs])
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return max(abs(p.exitcode or 0) for p in procs)

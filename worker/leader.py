@@ -81,14 +81,26 @@ class Leader:
             return
         self.step_no += 1
         plan = self.build_plan(batch)
-        self.tp.broadcast_object(plan)
+        self.broadcast_plan(plan)
         logits, _, _ = self.runner.forward(plan)
         sampled = [item for item in batch if item.samples]
         for item in batch:
             item.seq.num_cached += item.num_tokens
         for row, item in enumerate(sampled):
             self._sample_and_append(item.seq, logits[row])
-        maybe_check(self.config, self.tp, plan, committed_lengths(plan))
+        self.check(plan, committed_lengths(plan))
+
+    def broadcast_plan(self, plan: StepPlan) -> None:
+        """The per-step control broadcast: followers run exactly what rank 0 decided."""
+        if self.tp.size == 1:
+            return
+        t0 = time.perf_counter()
+        self.tp.broadcast_object(plan)
+        self.step_metrics.setdefault("control_sync", []).append(time.perf_counter() - t0)
+
+    def check(self, plan: StepPlan, committed: list[int]) -> None:
+        if maybe_check(self.config, self.tp, plan, committed):
+            self.step_metrics["consistency_checks"] = self.step_metrics.get("consistency_checks", 0) + 1
 
     def _sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
@@ -115,13 +127,18 @@ class Leader:
         self._report(seq)
 
     def _report(self, seq: Sequence) -> None:
+        queued = None
+        if not seq.reported and seq.first_scheduled is not None:
+            queued = seq.first_scheduled - seq.arrival
+            seq.reported = True
         self.outputs.append(RequestOutput(
             seq.request_id, seq.pending_tokens, seq.pending_logprobs if seq.params.logprobs is not None else None,
-            seq.finish_reason, seq.num_prompt, len(seq.output_ids)))
+            seq.finish_reason, seq.num_prompt, len(seq.output_ids), queue_seconds=queued))
         seq.pending_tokens, seq.pending_logprobs = [], []
 
-    def take_report(self) -> StepReport | None:
-        if not self.outputs and not self.step_metrics:
+    def take_report(self, stepped: bool = False) -> StepReport | None:
+        """The outputs and stats since the last report; None when there is nothing new to say."""
+        if not self.outputs and not self.step_metrics and not stepped:
             return None
         stats = self.scheduler.stats() | {"steps": self.step_no, "time": time.time()}
         report = StepReport(self.outputs, stats, self.step_metrics)
@@ -151,7 +168,10 @@ def committed_lengths(plan: StepPlan) -> list[int]:
     return out
 
 
-def maybe_check(config: EngineConfig, tp: TPGroup, plan: StepPlan, committed: list[int]) -> None:
+def maybe_check(config: EngineConfig, tp: TPGroup, plan: StepPlan, committed: list[int]) -> bool:
+    """Run the divergence guard on the steps its interval selects; True when it ran (and passed)."""
     interval = config.rank_consistency_check_interval
     if tp.size > 1 and interval and plan.step % interval == 0:
         check_consistency(tp, plan.step, fingerprint(plan, committed))
+        return True
+    return False

@@ -35,7 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when the request failed (finish_reason "error")
-    spec_accepted: list[int] | None = None  # accepted draft tokens per verify step, for metrics
+    queue_seconds: float | None = None  # on a request's first report: arrival at rank 0 to first scheduling
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -39,7 +40,20 @@ def init_group(config: EngineConfig, rank: int, local_rank: int, init_method: st
     return TPGroup(rank, config.tp_size, device, dist.group.WORLD, cpu_group)
 
 
+def die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the process that started it dies, so none is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str, in_addr: str, out_addr: str) -> None:
+    die_with_parent()
     local = config.local_tp_size
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local))
     outbox = None
@@ -105,13 +119,14 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, load_seconds: 
                     leader.handle(msg)
         if stopping:
             break
-        if leader.has_work():
+        stepped = leader.has_work()
+        if stepped:
             leader.step()
             last_broadcast = time.monotonic()
         elif tp.size > 1 and time.monotonic() - last_broadcast >= HEARTBEAT_S:
             tp.broadcast_object(StepPlan(leader.step_no, "idle"))
             last_broadcast = time.monotonic()
-        report = leader.take_report()
+        report = leader.take_report(stepped)
         if report is not None:
             outbox.send_pyobj(report)
     leader.fail_all("engine shut down")

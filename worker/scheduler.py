@@ -54,6 +54,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_scheduled: float | None = None
+    reported: bool = False
     # tokens produced but not yet reported to the front end
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)

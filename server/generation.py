@@ -1,0 +1,182 @@
+"""From an OpenAI request to engine requests and back: prompt building, parameters, choice streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from worker.engine import AsyncRequest, Engine, EngineDeadError
+from worker.protocol import RequestOutput
+from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
+
+from .detokenizer import IncrementalDetokenizer
+from .errors import APIError
+from .metrics import Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class ChoiceEvent:
+    """A piece of one choice's output: new text (and its tokens' logprobs), and the finish reason at the end."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    handle: AsyncRequest
+    detok: IncrementalDetokenizer
+    prompt_tokens: int
+    arrival: float
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def chat_prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template may reject a role order; that is the client's request
+        raise APIError(400, f"messages cannot be rendered by the model's chat template: {e}", param="messages")
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [engine.tokenizer.encode(p, add_special_tokens=False)]
+    if p and all(isinstance(x, int) for x in p):
+        vocab = engine.model_cfg.vocab_size
+        if any(not 0 <= x < vocab for x in p):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return [list(p)]
+    if p and all(isinstance(x, str) for x in p):
+        if len(p) > 16:
+            raise APIError(400, "at most 16 prompts per request", param="prompt")
+        return [engine.tokenizer.encode(x, add_special_tokens=False) for x in p]
+    raise APIError(400, "prompt must be a non-empty string, list of strings or list of token ids", param="prompt")
+
+
+def sampling_params(engine: Engine, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+                    choice: int) -> SamplingParams:
+    limit = engine.ready.max_model_len
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", param="messages" if isinstance(req, ChatCompletionRequest)
+                       else "prompt")
+    if prompt_len >= limit:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
+                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+    elif prompt_len + max_tokens > limit:
+        raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+                       f"context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+    seed = None if req.seed is None else req.seed + choice
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=seed,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        return params.validate(engine.model_cfg.vocab_size)
+    except InvalidParameterError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+class ChoiceSet:
+    """The n choices of one request (times its prompts), submitted to rank 0 as one batch."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams], stop: list[str]):
+        self.engine, self.metrics = engine, metrics
+        reqs = [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        try:
+            handles = engine.add_async(reqs)
+        except EngineDeadError as e:
+            raise APIError(503, f"engine unavailable: {e}", "service_unavailable_error") from e
+        except InvalidParameterError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        now = time.monotonic()
+        self.choices = [ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop), len(ids), now)
+                        for i, (h, ids) in enumerate(zip(handles, prompts))]
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Merged events of all choices, in arrival order. Leaving early cancels (aborts) the rest."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: ChoiceState) -> None:
+            try:
+                while True:
+                    ev = self._advance(c, await c.handle.next())
+                    await queue.put(ev)
+                    if ev.finish_reason is not None:
+                        return
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put(e)
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        pending = len(tasks)
+        try:
+            while pending:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, EngineDeadError):
+                        raise APIError(503, f"engine failed: {item}", "service_unavailable_error") from item
+                    raise item
+                if item.finish_reason is not None:
+                    pending -= 1
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for c in self.choices:
+                c.handle.cancel()
+
+    def _advance(self, c: ChoiceState, out: RequestOutput) -> ChoiceEvent:
+        if out.error:
+            raise APIError(400 if "context limit" in out.error else 500, out.error)
+        now = time.monotonic()
+        m, lbl = self.metrics, self.metrics.labels
+        if out.token_ids:
+            if c.first_token_at is None:
+                c.first_token_at = now
+                lbl(m.ttft).observe(now - c.arrival)
+            elif c.last_token_at is not None:
+                lbl(m.itl).observe((now - c.last_token_at) / len(out.token_ids))
+            c.last_token_at = now
+        if out.queue_seconds is not None:
+            lbl(m.queue_time).observe(out.queue_seconds)
+        c.completion_tokens = out.num_output_tokens
+        text = c.detok.add(out.token_ids)
+        finish = out.finish_reason
+        if c.detok.stopped and finish is None:
+            finish = "stop"  # a stop string: rank 0 is told to abort the rest
+            c.handle.cancel()
+        if finish is not None:
+            text += c.detok.finish()
+            lbl(m.e2e).observe(now - c.arrival)
+            lbl(m.requests, finished_reason=finish).inc()
+            lbl(m.prompt_tokens).inc(c.prompt_tokens)
+            lbl(m.generation_tokens).inc(c.completion_tokens)
+        return ChoiceEvent(c.index, text, out.token_ids, out.logprobs, finish, c.prompt_tokens, c.completion_tokens)

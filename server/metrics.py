@@ -1,0 +1,96 @@
+"""Every Prometheus metric eaglegate exports, in one place (`eaglegate:` prefix, label model_name).
+
+Workers put per-step figures into each StepReport; the front end turns them into metrics here, so a step
+never waits on metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+SYNC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
+
+
+class Metrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        r, lbl = self.registry, ["model_name"]
+
+        def hist(name, doc, buckets, extra=()):
+            return Histogram(f"eaglegate:{name}", doc, lbl + list(extra), buckets=buckets, registry=r)
+
+        def counter(name, doc, extra=()):
+            return Counter(f"eaglegate:{name}", doc, lbl + list(extra), registry=r)
+
+        def gauge(name, doc):
+            return Gauge(f"eaglegate:{name}", doc, lbl, registry=r)
+
+        # speculative decoding
+        self.spec_accept_length = hist("spec_accept_length", "Tokens committed per verify step and request "
+                                       "(accepted drafts plus the bonus token).", ACCEPT_BUCKETS)
+        self.spec_accepted_per_position = counter("spec_accepted_tokens_per_position",
+                                                  "Draft tokens accepted at each tree depth.", ["position"])
+        self.spec_draft_tokens = counter("spec_draft_tokens", "Draft tokens proposed for verification.")
+        self.spec_accepted_tokens = counter("spec_accepted_tokens", "Draft tokens accepted by the target.")
+        self.spec_verify_steps = counter("spec_verify_steps", "Verify steps (one per request and step).")
+        # cross-rank decision sync
+        self.decision_sync = hist("decision_sync_latency_seconds",
+                                  "Latency of rank 0's decision broadcasts: kind=verify for the packed verify "
+                                  "decision, kind=control for the per-step plan.", SYNC_BUCKETS, ["kind"])
+        self.consistency_checks = counter("rank_consistency_checks", "Cross-rank state fingerprint comparisons.")
+        self.divergences = counter("rank_divergences", "Cross-rank state mismatches detected by the guard.")
+        # requests
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.",
+                         LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between successive output chunks, per token.",
+                        LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last output token.",
+                        LATENCY_BUCKETS)
+        self.queue_time = hist("queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.requests = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        # engine
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV cache slots in use (0..1).")
+        self.steps = counter("engine_steps", "Engine steps executed by rank 0.")
+        self._last_steps = 0
+
+    def labels(self, metric, **extra):
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def on_step(self, report) -> None:
+        """Called from the engine's receiver thread for every StepReport."""
+        s = report.stats
+        self.labels(self.running).set(s.get("running", 0))
+        self.labels(self.waiting).set(s.get("waiting", 0))
+        total = s.get("kv_total_tokens") or 1
+        self.labels(self.kv_usage).set(s.get("kv_used_tokens", 0) / total)
+        steps = s.get("steps", 0)
+        if steps > self._last_steps:
+            self.labels(self.steps).inc(steps - self._last_steps)
+            self._last_steps = steps
+        m = report.step_metrics
+        for seconds in m.get("control_sync", ()):
+            self.labels(self.decision_sync, kind="control").observe(seconds)
+        for seconds in m.get("verify_sync", ()):
+            self.labels(self.decision_sync, kind="verify").observe(seconds)
+        if m.get("consistency_checks"):
+            self.labels(self.consistency_checks).inc(m["consistency_checks"])
+        for length in m.get("accept_lengths", ()):
+            self.labels(self.spec_accept_length).observe(length)
+        if m.get("verify_steps"):
+            self.labels(self.spec_verify_steps).inc(m["verify_steps"])
+            self.labels(self.spec_draft_tokens).inc(m["draft_tokens"])
+            self.labels(self.spec_accepted_tokens).inc(m["accepted_tokens"])
+            for pos, count in enumerate(m.get("accepted_per_position", ())):
+                if count:
+                    self.labels(self.spec_accepted_per_position, position=str(pos + 1)).inc(count)
+
+    def on_divergence(self) -> None:
+        self.labels(self.divergences).inc()

@@ -1,0 +1,58 @@
+"""Start the engine, then uvicorn; drain on SIGTERM/SIGINT and exit 0."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import uvicorn
+
+from worker.config import EngineConfig
+from worker.engine import Engine, run_follower_node
+
+from .app import ServerSettings, build_app
+from .metrics import Metrics
+
+log = logging.getLogger("eaglegate.serve")
+GRACEFUL_SECONDS = 15
+
+
+class _DrainingServer(uvicorn.Server):
+    """On the first signal, new generation requests get 503 while in-flight ones finish (bounded)."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig, frame) -> None:
+        self._app.state.draining = True
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # uvicorn would re-raise it after shutdown; we stop the engine, exit 0
+
+
+def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall_timeout: float,
+          log_level: str = "info") -> int:
+    if config.node_rank > 0:
+        log.info("node %d of %d: starting local TP workers, joining %s", config.node_rank, config.nnodes,
+                 config.dist_init_addr)
+        return run_follower_node(config)
+    t0 = time.monotonic()
+    name = config.served_model_name or config.model_path
+    metrics = Metrics(name)
+    engine = Engine(config, on_step=metrics.on_step)
+    settings = ServerSettings(served_model_name=name, model_aliases=(config.model_path,), api_key=api_key,
+                              stall_timeout=stall_timeout)
+    app = build_app(engine, settings, metrics)
+    spec = config.spec
+    print(f"eaglegate: loaded {config.model_path} (tp={config.tp_size}, dtype={config.dtype}, "
+          f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path) if spec.enabled else ''}) "
+          f"in {time.monotonic() - t0:.1f} s; KV pool {engine.ready.kv_total_tokens} tokens", flush=True)
+    print(f"eaglegate: listening on http://{host}:{port} (OpenAI API at /v1)", flush=True)
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=GRACEFUL_SECONDS), app)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    print("eaglegate: stopped", flush=True)
+    return 0
