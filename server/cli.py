@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from worker.config import DEFAULT_MODEL, EngineConfig, SpecConfig
+from worker.config import DEFAULT_MODEL, EngineConfig
 
 log = logging.getLogger("eaglegate")
 
@@ -57,19 +57,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size, max_model_len=args.max_model_len,
         dist_init_addr=args.dist_init_addr, nnodes=args.nnodes, node_rank=args.node_rank,
         dist_timeout=args.dist_timeout, num_threads=args.num_threads, seed=args.seed, spec=spec,
-        aux_hidden_layers=spec_aux_layers(spec, args),
         rank_consistency_check_interval=args.rank_consistency_check_interval,
         debug_rank_logit_noise=args.debug_rank_logit_noise,
         debug_skip_decision_broadcast=args.debug_skip_decision_broadcast,
     )
-
-
-def spec_aux_layers(spec: SpecConfig, args) -> tuple[int, ...]:
-    if spec.algorithm.upper() != "EAGLE3":
-        return ()
-    from speculative.heads import eagle3_aux_layers
-
-    return eagle3_aux_layers(spec, args.model_path)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ class Metrics:
         # cross-rank decision sync
         self.decision_sync = hist("decision_sync_latency_seconds",
                                   "Latency of rank 0's decision broadcasts: kind=verify for the packed verify "
-                                  "decision, kind=control for the per-step plan.", SYNC_BUCKETS, ["kind"])
+                                  "decision, kind=draft for draft candidates, kind=control for the per-step plan.", SYNC_BUCKETS, ["kind"])
         self.consistency_checks = counter("rank_consistency_checks", "Cross-rank state fingerprint comparisons.")
         self.divergences = counter("rank_divergences", "Cross-rank state mismatches detected by the guard.")
         # requests
@@ -80,6 +80,8 @@ class Metrics:
             self.labels(self.decision_sync, kind="control").observe(seconds)
         for seconds in m.get("verify_sync", ()):
             self.labels(self.decision_sync, kind="verify").observe(seconds)
+        for seconds in m.get("draft_sync", ()):
+            self.labels(self.decision_sync, kind="draft").observe(seconds)
         if m.get("consistency_checks"):
             self.labels(self.consistency_checks).inc(m["consistency_checks"])
         for length in m.get("accept_lengths", ()):

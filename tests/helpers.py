@@ -71,3 +71,75 @@ def alive(pids: set[int]) -> set[int]:
         if state != "Z":
             out.add(p)
     return out
+
+
+def save_random_eagle_head(folder: Path, target_cfg, kind: str = "eagle", seed: int = 0, fmt: str = "safetensors",
+                           draft_vocab: int = 1024, fc_bias: bool = True) -> Path:
+    """A randomly initialised draft head with the published key names and shapes (SafeAILab EAGLE / EAGLE-3)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, heads, kv, d, inter = (target_cfg.hidden_size, target_cfg.num_heads, target_cfg.num_kv_heads,
+                              target_cfg.head_dim, target_cfg.intermediate_size)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    state: dict[str, torch.Tensor] = {}
+    if kind == "eagle":
+        prefix, qkv_in = "layers.0.", h
+        state["fc.weight"] = w(h, 2 * h)
+        if fc_bias:
+            state["fc.bias"] = torch.zeros(h)
+    else:
+        prefix, qkv_in = "midlayer.", 2 * h
+        state["fc.weight"] = w(h, 3 * h)
+        state["norm.weight"] = torch.ones(h)
+        state["lm_head.weight"] = w(draft_vocab, h)
+        state["d2t"] = torch.arange(draft_vocab) * 3  # draft id i -> target id 4i
+        state["t2d"] = torch.zeros(target_cfg.vocab_size, dtype=torch.bool)
+        state[prefix + "input_layernorm.weight"] = torch.ones(h)
+        state[prefix + "hidden_norm.weight"] = torch.ones(h)
+    state[prefix + "self_attn.q_proj.weight"] = w(heads * d, qkv_in)
+    state[prefix + "self_attn.k_proj.weight"] = w(kv * d, qkv_in)
+    state[prefix + "self_attn.v_proj.weight"] = w(kv * d, qkv_in)
+    state[prefix + "self_attn.o_proj.weight"] = w(h, heads * d)
+    state[prefix + "mlp.gate_proj.weight"] = w(inter, h)
+    state[prefix + "mlp.up_proj.weight"] = w(inter, h)
+    state[prefix + "mlp.down_proj.weight"] = w(h, inter)
+    state[prefix + "post_attention_layernorm.weight"] = torch.ones(h)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
+              "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+              "num_hidden_layers": 1, "rms_norm_eps": target_cfg.rms_norm_eps, "rope_theta": target_cfg.rope_theta,
+              "vocab_size": target_cfg.vocab_size, "bias": fc_bias}
+    if kind == "eagle3":
+        config["draft_vocab_size"] = draft_vocab
+    (folder / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    else:
+        torch.save(state, folder / "pytorch_model.bin")
+    return folder
+
+
+def save_copy_eagle_head(folder: Path, target_cfg, seed: int = 0) -> Path:
+    """An EAGLE head that proposes 'the previous token again': fc passes the feature through and the layer adds
+    nothing, so its logits are the target's own at the previous position. On repetitive text it is accepted
+    often, which exercises multi-token commits, KV moves and finishes inside accepted runs."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    save_random_eagle_head(folder, target_cfg, "eagle", seed=seed)
+    state = load_file(str(folder / "model.safetensors"))
+    h = target_cfg.hidden_size
+    state["fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+    state["fc.bias"] = torch.zeros(h)
+    state["layers.0.self_attn.o_proj.weight"].zero_()
+    state["layers.0.mlp.down_proj.weight"].zero_()
+    save_file(state, str(folder / "model.safetensors"))
+    json.loads((folder / "config.json").read_text())
+    return folder

@@ -17,13 +17,23 @@ import torch.nn.functional as F
 
 
 @dataclass
+class TreeKeys:
+    """Non-causal keys for EAGLE trees: new tokens go to `write_slots`, each sees the whole context plus the
+    `key_slots` its row of `mask` allows (its ancestors and itself)."""
+
+    write_slots: list[int]
+    key_slots: list[int]
+    mask: torch.Tensor  # [q_len, len(key_slots)] bool
+
+
+@dataclass
 class SeqSlice:
     """One sequence's part of a step: q_len new tokens after ctx_len cached ones."""
 
     ctx_len: int
     q_len: int
     block_table: list[int]
-    tree_mask: torch.Tensor | None = None  # [q_len, q_len] bool: which new tokens each new token sees
+    tree: TreeKeys | None = None
 
 
 @dataclass
@@ -38,18 +48,23 @@ class AttentionMetadata:
     dense_q: bool  # queries already laid out [B, T] with no padding: skip the pad/unpad gathers
 
 
+def slots_of(block_table: list[int], positions, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
 def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device) -> AttentionMetadata:
     B = len(seqs)
     q_lens = torch.tensor([s.q_len for s in seqs])
     ctx = torch.tensor([s.ctx_len for s in seqs])
-    kv_lens = ctx + q_lens
+    extra = torch.tensor([len(s.tree.key_slots) if s.tree else s.q_len for s in seqs])
+    kv_lens = ctx + extra
     T, L = int(q_lens.max()), int(kv_lens.max())
     max_blocks = max(len(s.block_table) for s in seqs)
     tables = torch.zeros(B, max_blocks, dtype=torch.long)
     for i, s in enumerate(seqs):
         tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
     kpos = torch.arange(L)
-    kv_slots = tables[:, kpos // block_size] * block_size + kpos % block_size  # [B, L]
+    kv_slots = tables[:, (kpos // block_size).clamp(max=max_blocks - 1)] * block_size + kpos % block_size  # [B, L]
     key_valid = kpos.unsqueeze(0) < kv_lens.unsqueeze(1)
     kv_slots = torch.where(key_valid, kv_slots, torch.zeros_like(kv_slots))
 
@@ -61,16 +76,22 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
     qpos = ctx.unsqueeze(1) + t  # [B, T]
     slot_mapping = kv_slots.gather(1, qpos.clamp(max=L - 1))[q_valid]
 
-    has_tree = any(s.tree_mask is not None for s in seqs)
-    if T == 1 and bool((kv_lens == L).all()):
+    trees = [i for i, s in enumerate(seqs) if s.tree is not None]
+    if T == 1 and not trees and bool((kv_lens == L).all()):
         mask = None  # pure decode of equal lengths: nothing to hide
     else:
         mask = (kpos.view(1, 1, L) <= qpos.unsqueeze(2)) & key_valid.unsqueeze(1)  # causal within each row
-        if has_tree:
-            for i, s in enumerate(seqs):
-                if s.tree_mask is not None:
-                    c, n = s.ctx_len, s.q_len
-                    mask[i, :n, c : c + n] = s.tree_mask
+        if trees:
+            slot_mapping = slot_mapping.clone()
+            offsets = starts.tolist()
+            for i in trees:
+                s = seqs[i]
+                c, e = s.ctx_len, len(s.tree.key_slots)
+                kv_slots[i, c : c + e] = torch.tensor(s.tree.key_slots, dtype=torch.long)
+                mask[i, :, :c] = True
+                mask[i, : s.q_len, c : c + e] = s.tree.mask
+                mask[i, :, c + e :] = False
+                slot_mapping[offsets[i] : offsets[i] + s.q_len] = torch.tensor(s.tree.write_slots, dtype=torch.long)
         mask[:, :, 0] |= ~q_valid  # padded query rows see one key, keeping softmax finite
         mask = mask.unsqueeze(1)
     return AttentionMetadata(

@@ -48,8 +48,6 @@ class EngineConfig:
     dist_timeout: float = 60.0  # seconds; bounds every collective
     num_threads: int | None = None  # torch intra-op threads per worker; None: cores / local ranks
     seed: int = 0
-    # EAGLE-3 needs hidden states from these target layers; filled in by the speculative config
-    aux_hidden_layers: tuple[int, ...] = ()
     spec: SpecConfig = field(default_factory=SpecConfig)
     # reliability
     rank_consistency_check_interval: int = 1
@@ -76,8 +74,18 @@ class EngineConfig:
                 "--debug-skip-decision-broadcast is refused without --debug-rank-logit-noise: "
                 "it exists only to prove the divergence guard in tests"
             )
-        if self.spec.algorithm.upper() not in ("NONE", "EAGLE", "EAGLE3"):
-            raise ValueError(f"unknown speculative algorithm {self.spec.algorithm!r}")
+        s = self.spec
+        if s.algorithm.upper() not in ("NONE", "EAGLE", "EAGLE3"):
+            raise ValueError(f"unknown speculative algorithm {s.algorithm!r}")
+        if s.enabled:
+            if s.num_steps < 1 or s.eagle_topk < 1 or s.num_draft_tokens < 2:
+                raise ValueError("speculative num_steps and eagle_topk must be >= 1, num_draft_tokens >= 2")
+            candidates = s.eagle_topk + (s.num_steps - 1) * s.eagle_topk**2
+            if s.num_draft_tokens - 1 > candidates:
+                raise ValueError(f"num_draft_tokens {s.num_draft_tokens} exceeds 1 + the {candidates} candidates "
+                                 f"that num_steps={s.num_steps}, topk={s.eagle_topk} propose")
+            if not 0 < s.accept_threshold_single <= 1 or not 0 < s.accept_threshold_acc <= 1:
+                raise ValueError("speculative accept thresholds must be in (0, 1]")
 
     @property
     def local_tp_size(self) -> int:

@@ -68,6 +68,24 @@ class RowParallelLinear(nn.Module):
         return self.tp.all_reduce(linear(x, self.weight, None, self.packed))
 
 
+class ReplicatedLinear(nn.Module):
+    """A small linear every rank holds whole (EAGLE's fc): no collective, identical inputs give identical outputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param((out_features, in_features), dtype, self._load)
+        self.bias = _param((out_features,), dtype, self._load) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
+        _check_shape("replicated linear", w.shape, tuple(param.shape))
+        param.data.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 class QKVParallelLinear(nn.Module):
     """Packed q, k, v projections, column-parallel by heads (KV heads replicated when tp > kv heads)."""
 
@@ -119,6 +137,14 @@ class MergedColumnParallelLinear(nn.Module):
         return linear(x, self.weight, None, self.packed)
 
 
+def _load_vocab_rows(mod, param: nn.Parameter, w: torch.Tensor) -> None:
+    """Keep this rank's range of vocabulary rows, zero-padding the last range."""
+    _check_shape("vocabulary matrix", w.shape, (mod.vocab_size, mod.hidden))
+    part = w[mod.start : mod.start + mod.rows]
+    param.data.zero_()
+    param.data[: part.shape[0]].copy_(part)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split by vocabulary range; each rank looks up its range and the results are summed."""
 
@@ -130,10 +156,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param((self.rows, hidden), dtype, self._load)
 
     def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
-        _check_shape("embedding", w.shape, (self.vocab_size, self.hidden))
-        part = w[self.start : self.start + self.rows]
-        param.data.zero_()
-        param.data[: part.shape[0]].copy_(part)
+        _load_vocab_rows(self, param, w)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -148,13 +171,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Vocab-split output projection; local logits are gathered so every rank sees the full row."""
 
-    def __init__(self, embedding: VocabParallelEmbedding, tied: bool, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype,
+                 tied_to: VocabParallelEmbedding | None = None):
         super().__init__()
-        self.tp, self.vocab_size = tp, embedding.vocab_size
-        if tied:
-            self.weight = embedding.weight
+        self.tp, self.vocab_size, self.hidden = tp, vocab_size, hidden
+        self.rows = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.rows
+        if tied_to is not None:
+            self.weight = tied_to.weight
         else:
-            self.weight = _param(tuple(embedding.weight.shape), dtype, embedding._load)
+            self.weight = _param((self.rows, hidden), dtype, lambda p, w, s=None: _load_vocab_rows(self, p, w))
         self.packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,11 @@ class Leader:
 
     def step(self) -> None:
         batch = self.scheduler.schedule(self.reserve)
-        if not batch:
-            return
+        if batch:
+            self.plain_step(batch)
+
+    def plain_step(self, batch: list[ScheduledSeq]) -> None:
+        """One target forward over the batch; every sequence that reached its end samples one token."""
         self.step_no += 1
         plan = self.build_plan(batch)
         self.broadcast_plan(plan)

@@ -43,7 +43,7 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     cfg = load_model_config(source)
     check_tp_divisibility(cfg, tp.size)
     max_pos = config.max_model_len or cfg.max_position_embeddings
-    model = CausalLM(cfg, tp, dtype, max_pos, config.aux_hidden_layers)
+    model = CausalLM(cfg, tp, dtype, max_pos)
     ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
     load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress), ignore)
     model = model.to(tp.device).eval()

@@ -21,9 +21,9 @@ from .model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, in_features: int | None = None):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        self.qkv_proj = QKVParallelLinear(in_features or cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           cfg.attention_bias, tp, dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, dtype)
         self.head_dim = cfg.head_dim
@@ -51,9 +51,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, input_norm: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # EAGLE-1/2 draft layers have no input norm: their input is already a fused, normed feature
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else nn.Identity()
         self.self_attn = Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, tp, dtype)
@@ -64,7 +65,7 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward() returns the final-normed hidden states plus the residual stream after `aux_layers`
+    """forward() returns the final-normed hidden states plus the residual stream after each of `aux_layers`
     (what EAGLE-3 fuses); compute_logits() applies the vocab-parallel LM head."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int,
@@ -76,7 +77,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype,
+                                      self.embed_tokens if cfg.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -84,9 +86,9 @@ class CausalLM(nn.Module):
         rope = self.rope.table(positions, x.dtype)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                aux.append(x)
             x = layer(x, rope, kv[i][0], kv[i][1], meta)
+            if i in self.aux_layers:
+                aux.append(x)  # the residual stream after layer i (EAGLE-3's low/mid/high features)
         return self.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,4 @@ class StepPlan:
     input_ids: list[int] = field(default_factory=list)
     seqs: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (ctx_len, q_len, block_table)
     sample_rows: list[int] = field(default_factory=list)  # flat token indices whose logits are needed
-    positions: list[int] | None = None  # explicit positions (EAGLE trees: by depth); None: ctx_len + i
-    tree_masks: dict | None = None  # seq index -> [q_len, q_len] bool tensor (EAGLE tree attention)
-    spec: object | None = None  # speculative step data (speculative/ fills this)
+    spec: object | None = None  # a speculative decode step (speculative.plan.SpecStep) instead of the above

@@ -49,6 +49,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(self.dtype, tp.device)
         self.kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
                     torch.zeros(shape, dtype=self.kv_dtype, device=tp.device)) for _ in range(self.model_cfg.num_layers)]
+        self.on_hidden = None  # speculative decoding stores the draft's features from every target forward
         self.noise_gen = torch.Generator(device=tp.device)
         self.noise_gen.manual_seed(1000 + tp.rank)
 
@@ -72,15 +73,13 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Run the plan's tokens; returns (logits of sample_rows in float32, hidden states, aux hidden states)."""
         dev = self.tp.device
-        masks = plan.tree_masks or {}
-        slices = [SeqSlice(c, q, bt, masks.get(i)) for i, (c, q, bt) in enumerate(plan.seqs)]
+        slices = [SeqSlice(c, q, bt) for c, q, bt in plan.seqs]
         meta = build_attention_metadata(slices, self.block_size, dev)
-        if plan.positions is not None:
-            positions = torch.tensor(plan.positions, dtype=torch.long)
-        else:
-            positions = torch.cat([torch.arange(s.ctx_len, s.ctx_len + s.q_len) for s in slices])
+        positions = torch.cat([torch.arange(s.ctx_len, s.ctx_len + s.q_len) for s in slices])
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         hidden, aux = self.model(ids, positions.to(dev), self.kv, meta)
+        if self.on_hidden is not None:
+            self.on_hidden(hidden, aux, meta.slot_mapping)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows]).float()
         return self.perturb(logits), hidden, aux

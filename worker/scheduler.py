@@ -50,6 +50,7 @@ class Sequence:
     generator: torch.Generator
     arrival: float = field(default_factory=time.monotonic)
     num_cached: int = 0
+    draft_cached: int = 0  # speculative decoding: positions whose draft-head KV is valid
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -108,7 +109,7 @@ class Scheduler:
         """Drop a sequence's KV and requeue it at the front; it is recomputed from its tokens later."""
         self.running.remove(seq)
         self.pool.release(seq.block_table)
-        seq.num_cached = 0
+        seq.num_cached = seq.draft_cached = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

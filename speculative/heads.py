@@ -1,0 +1,209 @@
+"""EAGLE draft heads: EAGLE-1/2 (fc over [token embedding; target feature] + one decoder layer + the target's
+LM head) and EAGLE-3 (three fused target layers, a 2h-input layer, its own reduced-vocabulary LM head with d2t).
+
+Loads SafeAILab EAGLE checkpoints (config.json + pytorch_model.bin or model.safetensors), EAGLE-3 checkpoints
+(model.safetensors with midlayer.*, fc, norm, lm_head, d2t) and eaglegate's own (the EAGLE layout). The layer
+is sharded across TP ranks exactly like the target's layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.attention import AttentionMetadata
+from worker.dist import TPGroup
+from worker.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding
+from worker.model import MLP, Attention, CausalLM, DecoderLayer
+from worker.model_config import ModelConfig
+from worker.model_files import ModelLoadError
+from worker.weights import load_weights
+
+SHIPPED_HEADS = Path(__file__).parent / "heads"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    kind: str  # "eagle" (EAGLE-1/2) | "eagle3"
+    layer: ModelConfig  # shapes of the draft decoder layer
+    fc_bias: bool
+    input_norm: bool  # EAGLE-1/2 layer 0 has none
+    draft_vocab_size: int | None  # EAGLE-3's reduced vocabulary
+    aux_layers: tuple[int, ...]  # EAGLE-3: target layers whose outputs are fused
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
+    try:
+        if st.exists():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if pt.exists():
+            return torch.load(str(pt), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read draft head weights in {folder} (truncated or corrupt?): {e}") from e
+    raise ModelLoadError(f"draft head folder {folder} has neither model.safetensors nor pytorch_model.bin")
+
+
+def read_draft(path: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists():
+        raise ModelLoadError(f"draft head folder {folder} has no config.json")
+    raw = json.loads((folder / "config.json").read_text())
+    state = _read_state_dict(folder)
+    kind = "eagle3" if any(k.startswith("midlayer.") for k in state) else "eagle"
+    if "fc.weight" not in state:
+        raise ModelLoadError(f"{folder} is not an EAGLE head: no fc.weight (keys: {sorted(state)[:5]}...)")
+    hidden = raw.get("hidden_size", target_cfg.hidden_size)
+    if hidden != target_cfg.hidden_size:
+        raise ModelLoadError(f"draft head hidden size {hidden} does not match the target's {target_cfg.hidden_size}")
+    fc_in = state["fc.weight"].shape[1]
+    want = 3 * hidden if kind == "eagle3" else 2 * hidden
+    if fc_in != want:
+        raise ModelLoadError(f"draft head fc.weight takes {fc_in} inputs; {kind} with hidden {hidden} needs {want}")
+    heads = raw.get("num_attention_heads", target_cfg.num_heads)
+    layer = ModelConfig(
+        architecture="llama", vocab_size=raw.get("vocab_size", target_cfg.vocab_size), hidden_size=hidden,
+        intermediate_size=raw.get("intermediate_size", target_cfg.intermediate_size), num_layers=1,
+        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads", heads),
+        head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", target_cfg.rms_norm_eps),
+        rope_theta=float(raw.get("rope_theta", target_cfg.rope_theta)),
+        max_position_embeddings=target_cfg.max_position_embeddings, tie_word_embeddings=False,
+        attention_bias=False, rope_scaling=target_cfg.rope_scaling)
+    aux: tuple[int, ...] = ()
+    if kind == "eagle3":
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        L = target_cfg.num_layers
+        aux = tuple(ids) if ids else (2, L // 2, L - 3)
+    return DraftConfig(kind, layer, "fc.bias" in state, "layers.0.input_layernorm.weight" in state,
+                       state["lm_head.weight"].shape[0] if kind == "eagle3" else None, aux), state
+
+
+def eagle3_aux_layers(spec, model_path: str) -> tuple[int, ...]:
+    from worker.model_config import load_model_config
+    from worker.model_files import resolve_model
+
+    target_cfg = load_model_config(resolve_model(model_path))
+    return read_draft(resolve_draft_path(spec.draft_model_path), target_cfg)[0].aux_layers
+
+
+def resolve_draft_path(path: str | None) -> Path:
+    if path is None:
+        raise ModelLoadError("speculative decoding needs --speculative-draft-model-path")
+    p = Path(path).expanduser()
+    if not p.exists() and (SHIPPED_HEADS / path).exists():
+        p = SHIPPED_HEADS / path
+    if not p.exists():
+        raise ModelLoadError(f"draft head path {path!r} does not exist")
+    return p
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer: attention over [norm(embedding) ; norm(feature)], residual on the feature."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, tp, dtype, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+
+    def forward(self, embeds, feats, rope, k_cache, v_cache, meta):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)
+        h = feats + self.self_attn(x, rope, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftHead(nn.Module):
+    def __init__(self, dcfg: DraftConfig, target: CausalLM, tp: TPGroup, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.dcfg, self.kind = dcfg, dcfg.kind
+        self._target = [target]  # a reference, not a submodule: its weights belong to the target
+        cfg = dcfg.layer
+        h = cfg.hidden_size
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        if self.kind == "eagle":
+            self.fc = ReplicatedLinear(2 * h, h, dcfg.fc_bias, dtype)
+            self.layer = DecoderLayer(cfg, tp, dtype, input_norm=dcfg.input_norm)
+        else:
+            self.fc = ReplicatedLinear(3 * h, h, False, dtype)
+            self.midlayer = Eagle3Layer(cfg, tp, dtype)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(dcfg.draft_vocab_size, h, tp, dtype)
+            self.register_buffer("d2t", torch.zeros(dcfg.draft_vocab_size, dtype=torch.long), persistent=False)
+        attn = (self.layer if self.kind == "eagle" else self.midlayer).self_attn.qkv_proj
+        self.kv_local, self.head_dim = attn.kv_local, cfg.head_dim
+
+    @property
+    def target(self) -> CausalLM:
+        return self._target[0]
+
+    def feature(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """What the draft consumes per target position: the final hidden (EAGLE) or fused layers (EAGLE-3)."""
+        if self.kind == "eagle":
+            return hidden
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        embeds = self.target.embed_tokens(ids)
+        rope = self.rope.table(positions, embeds.dtype)
+        feats = feats.to(embeds.dtype)
+        if self.kind == "eagle":
+            return self.layer(self.fc(torch.cat([embeds, feats], dim=-1)), rope, kv[0], kv[1], meta)
+        return self.midlayer(embeds, feats, rope, kv[0], kv[1], meta)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target vocabulary (EAGLE-3: reduced vocabulary, see to_target_ids)."""
+        if self.kind == "eagle":
+            return self.target.compute_logits(out).float()
+        return self.lm_head(self.norm(out)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.kind == "eagle":
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def param_map(self) -> dict[str, tuple[str, object]]:
+        m: dict[str, tuple[str, object]] = {"fc.weight": ("fc.weight", None)}
+        if self.kind == "eagle":
+            src, dst = "layers.0.", "layer."
+            if self.dcfg.fc_bias:
+                m["fc.bias"] = ("fc.bias", None)
+            if self.dcfg.input_norm:
+                m[f"{src}input_layernorm.weight"] = (f"{dst}input_layernorm.weight", None)
+        else:
+            src, dst = "midlayer.", "midlayer."
+            m |= {"norm.weight": ("norm.weight", None), "lm_head.weight": ("lm_head.weight", None),
+                  f"{src}input_layernorm.weight": (f"{dst}input_layernorm.weight", None),
+                  f"{src}hidden_norm.weight": (f"{dst}hidden_norm.weight", None)}
+        for proj in ("q", "k", "v"):
+            m[f"{src}self_attn.{proj}_proj.weight"] = (f"{dst}self_attn.qkv_proj.weight", proj)
+        m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
+        m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
+        m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
+        m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
+        m[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_attention_layernorm.weight", None)
+        return m
+
+
+def load_draft_head(path: str | Path, target: CausalLM, tp: TPGroup, dtype: torch.dtype,
+                    max_positions: int) -> DraftHead:
+    dcfg, state = read_draft(path, target.cfg)
+    if dcfg.layer.num_heads % tp.size:
+        raise ModelLoadError(f"tp_size {tp.size} does not divide the draft head's {dcfg.layer.num_heads} heads")
+    head = DraftHead(dcfg, target, tp, dtype, max_positions)
+    tensors = ((k, v) for k, v in state.items() if k not in ("d2t", "t2d"))
+    load_weights(head, head.param_map(), tensors, ignore=(r"embed_tokens\.weight", r".*rotary_emb\.inv_freq"))
+    if dcfg.kind == "eagle3":
+        if "d2t" not in state:
+            raise ModelLoadError("EAGLE-3 head has no d2t tensor (draft -> target vocabulary offsets)")
+        head.d2t.copy_(state["d2t"].long())
+    return head.to(tp.device).eval()

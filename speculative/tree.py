@@ -1,0 +1,96 @@
+"""EAGLE-2 dynamic draft trees: expansion bookkeeping, final selection, and attention masks.
+
+Every rank keeps an identical DraftTree per sequence, built only from rank 0's broadcast decisions
+(tokens, frontier picks, final selection). Scores exist on rank 0 alone; nothing else depends on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)  # candidate tokens (target vocabulary)
+    parents: list[int] = field(default_factory=list)  # parent candidate, -1 for the root's children
+    depths: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)  # candidates fed to the draft, in feeding order (scratch order)
+    frontier: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # rank 0 only: cumulative draft log-probability
+
+    def add(self, token: int, parent: int, score: float = 0.0) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def ancestors_or_self(self, c: int) -> list[int]:
+        out = []
+        while c >= 0:
+            out.append(c)
+            c = self.parents[c]
+        return out
+
+    def feed_mask(self) -> torch.Tensor:
+        """[len(frontier), len(fed)]: which fed candidates (draft scratch KV) each frontier node may see."""
+        pos = {c: i for i, c in enumerate(self.fed)}
+        mask = torch.zeros(len(self.frontier), len(self.fed), dtype=torch.bool)
+        for r, c in enumerate(self.frontier):
+            for a in self.ancestors_or_self(c):
+                mask[r, pos[a]] = True
+        return mask
+
+
+def select_candidates(tree: DraftTree, num: int) -> list[int]:
+    """Rank 0: the `num` best candidates by cumulative score, ancestors before descendants.
+
+    Scores only fall along a path, so the best set is closed under ancestors; ties go to the lower index,
+    which is always the ancestor.
+    """
+    order = sorted(range(len(tree.tokens)), key=lambda c: (-tree.scores[c], c))[:num]
+    return sorted(order)
+
+
+@dataclass
+class VerifyTree:
+    """The tree the target verifies: node 0 is the root (the last committed token), then the selection."""
+
+    tokens: list[int]
+    parents: list[int]  # node index of each node's parent (-1 for the root)
+    depths: list[int]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                kids[parent].append(node)
+        return kids
+
+    def mask(self) -> torch.Tensor:
+        """[size, size] bool: node i sees node j when j is i or one of its ancestors."""
+        n = self.size
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j] = True
+                j = self.parents[j]
+        return m
+
+
+def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int]) -> VerifyTree:
+    node_of = {c: i + 1 for i, c in enumerate(selected)}
+    tokens, parents, depths = [root_token], [-1], [0]
+    for c in selected:
+        tokens.append(tree.tokens[c])
+        p = tree.parents[c]
+        parents.append(0 if p < 0 else node_of[p])
+        depths.append(tree.depths[c])
+    return VerifyTree(tokens, parents, depths)

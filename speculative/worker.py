@@ -1,0 +1,172 @@
+"""The speculative step as every rank executes it: draft extend, tree expansion, target verify, KV commit.
+
+Ranks run the same forwards in lockstep; each decision (draft candidates, frontier, selection, accepted path
+and bonus token) comes from rank 0 through `Decider`, packed into one int64 broadcast per decision point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.attention import SeqSlice, TreeKeys, build_attention_metadata, slots_of
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.layers import pack_cpu_linears
+from worker.runner import ModelRunner
+
+from .heads import DraftHead, load_draft_head, resolve_draft_path
+from .plan import SpecStep
+from .tree import DraftTree, VerifyTree, build_verify_tree
+
+
+@dataclass
+class Commit:
+    """One sequence's verify outcome: accepted tree nodes (by index) and the bonus token."""
+
+    path: list[int]
+    bonus: int
+
+
+@dataclass
+class SpecResult:
+    commits: list[Commit]
+    trees: list[VerifyTree]
+    verify_logits: torch.Tensor  # [sum(tree sizes), V] float32
+    timings: dict = field(default_factory=dict)
+
+
+class SpecWorker:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tp: TPGroup):
+        self.config, self.runner, self.tp = config, runner, tp
+        self.spec = config.spec
+        max_pos = runner.model.rope.cos.shape[0]
+        self.head: DraftHead = load_draft_head(resolve_draft_path(self.spec.draft_model_path), runner.model, tp,
+                                               runner.dtype, max_pos)
+        if runner.dtype == torch.bfloat16 and tp.device.type == "cpu":
+            pack_cpu_linears(self.head)
+        if self.head.kind == "eagle3":
+            runner.model.aux_layers = set(self.head.dcfg.aux_layers)
+        slots = runner.num_blocks * runner.block_size
+        shape = (slots, self.head.kv_local, self.head.head_dim)
+        self.draft_kv = (torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
+                         torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device))
+        h = runner.model_cfg.hidden_size
+        self.features = torch.zeros(slots, h, dtype=torch.float32 if tp.device.type == "cpu" else runner.dtype,
+                                    device=tp.device)
+        runner.on_hidden = self._store_features
+        self.bs = runner.block_size
+
+    @property
+    def reserve(self) -> int:
+        """KV slots past the root a decoding sequence needs: the verify tree and the draft scratch."""
+        s = self.spec
+        return max(s.num_draft_tokens, (s.num_steps - 1) * s.eagle_topk) + 1
+
+    def _store_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        self.features.index_copy_(0, slot_mapping, self.head.feature(hidden, aux).to(self.features.dtype))
+
+    # --- forwards ---------------------------------------------------------------------------------------
+    def _draft_forward(self, ids: list[int], positions: list[int], feats: torch.Tensor,
+                       slices: list[SeqSlice]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.tp.device
+        meta = build_attention_metadata(slices, self.bs, dev)
+        out = self.head(torch.tensor(ids, device=dev), feats, torch.tensor(positions, device=dev),
+                        self.draft_kv, meta)
+        return out, meta
+
+    @torch.inference_mode()
+    def run(self, step: SpecStep, decider) -> SpecResult:
+        t0 = time.perf_counter()
+        s = self.spec
+        k, B = s.eagle_topk, len(step.seqs)
+        # 1. draft extend: catch the draft's KV up with committed tokens; the last row is the root's output
+        ids, pos, slots, slices, last = [], [], [], [], []
+        for q in step.seqs:
+            span = range(q.draft_cached, q.ctx_len)
+            ids += q.extend_ids
+            pos += list(span)
+            slots += slots_of(q.block_table, span, self.bs)
+            slices.append(SeqSlice(q.draft_cached, len(span), q.block_table))
+            last.append(len(ids) - 1)
+        feats = self.features.index_select(0, torch.tensor(slots, device=self.tp.device))
+        out, _ = self._draft_forward(ids, pos, feats, slices)
+        root_hidden = out[torch.tensor(last, device=self.tp.device)]  # [B, h]
+        logp = torch.log_softmax(self.head.logits(root_hidden), dim=-1)
+        first = decider.first(logp, k)  # [B, k] target-vocabulary tokens (rank 0's top-k)
+        trees = [DraftTree() for _ in range(B)]
+        for b in range(B):
+            for j in range(k):
+                trees[b].add(int(first[b, j]), -1, float(decider.scores[b][j]) if decider.scores else 0.0)
+            trees[b].frontier = list(range(k))
+        src_hidden = {(b, c): root_hidden[b] for b in range(B) for c in range(k)}  # hidden that produced c
+        # 2. expansion: feed the frontier, rank 0 picks children and the next frontier
+        for i in range(2, s.num_steps + 1):
+            ids, pos, feats_list, slices = [], [], [], []
+            for b, q in enumerate(step.seqs):
+                t = trees[b]
+                base = q.ctx_len + (i - 2) * k
+                write = slots_of(q.block_table, range(base, base + k), self.bs)
+                t.fed.extend(t.frontier)
+                key_slots = slots_of(q.block_table, range(q.ctx_len, q.ctx_len + len(t.fed)), self.bs)
+                slices.append(SeqSlice(q.ctx_len, k, q.block_table, TreeKeys(write, key_slots, t.feed_mask())))
+                for c in t.frontier:
+                    ids.append(t.tokens[c])
+                    pos.append(q.ctx_len + t.depths[c] - 1)
+                    feats_list.append(src_hidden[(b, c)])
+            out, _ = self._draft_forward(ids, pos, torch.stack(feats_list), slices)
+            logp = torch.log_softmax(self.head.logits(out), dim=-1).view(B, k, -1)
+            children, picks = decider.expand(logp, trees, k, last=i == s.num_steps)
+            for b in range(B):
+                t = trees[b]
+                new = []
+                for j, parent in enumerate(t.frontier):
+                    for m in range(k):
+                        score = decider.child_score(b, j, m) if decider.scores else 0.0
+                        c = t.add(int(children[b, j * k + m]), parent, score)
+                        new.append(c)
+                        src_hidden[(b, c)] = out[b * k + j]
+                t.frontier = [new[int(x)] for x in picks[b]] if picks is not None else []
+        # 3. verify the selected tree with one target forward
+        selected = decider.select(trees, s.num_draft_tokens - 1)
+        vtrees = [build_verify_tree(q.extend_ids[-1], trees[b], selected[b]) for b, q in enumerate(step.seqs)]
+        t1 = time.perf_counter()
+        logits = self._verify_forward(step, vtrees)
+        t2 = time.perf_counter()
+        commits = decider.accept(vtrees, logits)
+        t3 = time.perf_counter()
+        self._commit_kv(step, vtrees, commits)
+        return SpecResult(commits, vtrees, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2})
+
+    def _verify_forward(self, step: SpecStep, vtrees: list[VerifyTree]) -> torch.Tensor:
+        dev = self.tp.device
+        ids, pos, slices = [], [], []
+        for q, vt in zip(step.seqs, vtrees):
+            n = q.ctx_len
+            write = slots_of(q.block_table, range(n, n + vt.size), self.bs)
+            ids += vt.tokens
+            pos += [n + d for d in vt.depths]
+            slices.append(SeqSlice(n, vt.size, q.block_table, TreeKeys(write, write, vt.mask())))
+        meta = build_attention_metadata(slices, self.bs, dev)
+        model = self.runner.model
+        hidden, aux = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.runner.kv, meta)
+        self._store_features(hidden, aux, meta.slot_mapping)
+        return self.runner.perturb(model.compute_logits(hidden).float())
+
+    def _commit_kv(self, step: SpecStep, vtrees: list[VerifyTree], commits: list[Commit]) -> None:
+        """Move the accepted nodes' target KV and features to consecutive positions after the root."""
+        src, dst = [], []
+        for q, commit in zip(step.seqs, commits):
+            n = q.ctx_len
+            for depth, node in enumerate(commit.path, start=1):
+                if node != depth:
+                    src += slots_of(q.block_table, [n + node], self.bs)
+                    dst += slots_of(q.block_table, [n + depth], self.bs)
+        if not src:
+            return
+        s = torch.tensor(src, device=self.tp.device)
+        d = torch.tensor(dst, device=self.tp.device)
+        for cache in [c for pair in self.runner.kv for c in pair] + [self.features]:
+            cache.index_copy_(0, d, cache.index_select(0, s))
