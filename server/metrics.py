@@ -94,5 +94,6 @@ class Metrics:
                 if count:
                     self.labels(self.spec_accepted_per_position, position=str(pos + 1)).inc(count)
 
-    def on_divergence(self) -> None:
-        self.labels(self.divergences).inc()
+    def on_fatal(self, fatal) -> None:
+        if fatal.kind == "RankDivergenceError":
+            self.labels(self.divergences).inc()

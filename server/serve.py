@@ -39,7 +39,7 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
     t0 = time.monotonic()
     name = config.served_model_name or config.model_path
     metrics = Metrics(name)
-    engine = Engine(config, on_step=metrics.on_step)
+    engine = Engine(config, on_step=metrics.on_step, on_fatal=metrics.on_fatal)
     settings = ServerSettings(served_model_name=name, model_aliases=(config.model_path,), api_key=api_key,
                               stall_timeout=stall_timeout)
     app = build_app(engine, settings, metrics)

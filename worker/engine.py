@@ -95,14 +95,16 @@ class AsyncRequest:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, on_step: Callable[[StepReport], None] | None = None):
+    def __init__(self, config: EngineConfig, on_step: Callable[[StepReport], None] | None = None,
+                 on_fatal: Callable[[Fatal], None] | None = None):
         config.validate()
         self.config = config
         self.source = resolve_model(config.model_path)
         self.model_cfg = load_model_config(self.source)
         check_tp_divisibility(self.model_cfg, config.tp_size)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)
-        self.on_step = on_step
+        self.on_step, self.on_fatal = on_step, on_fatal
+        self.rank_divergences = 0
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -184,7 +186,13 @@ class Engine:
         wait_sentinels(sentinels)
         if self._closing:
             return
-        self._dead_event.wait(0.5)  # rank 0's own Fatal report, if one is on its way, says more
+        # rank 0 reports why (a Fatal) just before it exits; wait for that report, briefly, since it says more
+        deadline, rank0_gone_at = time.monotonic() + 3.0, None
+        while not self._dead_event.wait(0.05) and time.monotonic() < deadline:
+            if self._procs[0].exitcode is not None and self.config.node_rank == 0:
+                rank0_gone_at = rank0_gone_at or time.monotonic()
+                if time.monotonic() - rank0_gone_at > 0.5:
+                    break
         self._mark_dead("")
 
     def _death_note(self) -> str:
@@ -240,11 +248,16 @@ class Engine:
             except zmq.ZMQError:
                 return
             if isinstance(msg, Fatal):
+                if msg.kind == "RankDivergenceError":
+                    self.rank_divergences += 1
+                    self.stats.values = self.stats.values | {"rank_divergences": self.rank_divergences}
+                if self.on_fatal is not None:
+                    self.on_fatal(msg)
                 self._mark_dead(msg.message)
                 continue
             if not isinstance(msg, StepReport):
                 continue
-            self.stats.values = msg.stats
+            self.stats.values = msg.stats | {"rank_divergences": self.rank_divergences}
             self.stats.last_progress = time.monotonic()
             for out in msg.outputs:
                 with self._lock:

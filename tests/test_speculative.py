@@ -1,0 +1,239 @@
+"""EAGLE speculative decoding: lossless greedy, rank-0-authoritative decisions under rank noise, head formats."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import save_copy_eagle_head, save_random_eagle_head
+
+from speculative.heads import read_draft
+from speculative.tree import VerifyTree
+from speculative.verify import verify_sampling
+from worker.config import EngineConfig, SpecConfig
+from worker.engine import Engine, EngineDeadError
+from worker.model_config import load_model_config
+from worker.model_files import ModelLoadError, resolve_model
+from worker.sampling import SamplingParams
+
+# repetitive prompts make the copy head's drafts accepted (multi-token commits), the others mostly rejected
+PROMPTS = ["A A A A A A A A A A A A", "1 1 1 1 1 1 1 1 1 1 1 1 1", "The capital of France is", "ha ha ha ha ha ha",
+           "Write a list of colors: red, green,", "x x x x x x x x"]
+LENGTHS = [40, 33, 20, 17, 25, 9]  # finishes land inside accepted runs too
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _spec(head, topk: int, algo: str = "EAGLE", steps: int = 4) -> SpecConfig:
+    return SpecConfig(algo, str(head), num_steps=steps, eagle_topk=topk, num_draft_tokens=steps + 1 if topk == 1 else 8)
+
+
+@pytest.fixture(scope="module")
+def smol_cfg(smol_dir):
+    return load_model_config(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def copy_head(tmp_path_factory, smol_cfg):
+    return save_copy_eagle_head(tmp_path_factory.mktemp("copy-head"), smol_cfg)
+
+
+@pytest.fixture(scope="module")
+def reference(smol_engine):
+    prompts = [smol_engine.encode(p) for p in PROMPTS]
+    return prompts, [r.token_ids for r in smol_engine.generate(prompts, [_greedy(n) for n in LENGTHS])]
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_speculative_greedy_is_lossless_in_a_mixed_batch(copy_head, reference, topk):
+    prompts, ref = reference
+    cfg = EngineConfig(dtype="float32", max_total_tokens=4096, spec=_spec(copy_head, topk))
+    with Engine(cfg) as eng:
+        out = eng.generate(prompts, [_greedy(n) for n in LENGTHS])
+        # plain requests (no speculation needed) interleave with speculative ones in the same engine
+        more = eng.generate(prompts[:2], [_greedy(5), SamplingParams(max_new_tokens=8, temperature=0)])
+        stats = eng.stats.values
+    assert [r.token_ids for r in out] == ref
+    assert [r.token_ids for r in more] == [ref[0][:5], ref[1][: len(more[1].token_ids)]]
+    assert stats["spec_accepted_tokens"] > 10  # multi-token commits really happened
+    assert stats["spec_accept_length_mean"] > 1.0
+    assert stats["kv_used_tokens"] == 0 and stats["running"] == 0
+
+
+def test_random_eagle3_head_is_lossless(tmp_path, smol_cfg, reference):
+    prompts, ref = reference
+    head = save_random_eagle_head(tmp_path / "e3", smol_cfg, "eagle3")
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=4096, spec=_spec(head, 2, "EAGLE3", 3))) as eng:
+        out = eng.generate(prompts[2:4], [_greedy(n) for n in LENGTHS[2:4]])
+    assert [r.token_ids for r in out] == ref[2:4]
+
+
+def test_tiny_llama_tp2_speculative_matches_tp1_plain(tiny_llama, tmp_path):
+    cfg_t = load_model_config(resolve_model(str(tiny_llama)))
+    head = save_copy_eagle_head(tmp_path / "h", cfg_t)
+    prompts = [[5, 6, 7, 8] * 3, [100, 200, 300], [9] * 10]
+    params = [_greedy(n) for n in (30, 21, 14)]
+    with Engine(EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048)) as eng:
+        ref = [r.token_ids for r in eng.generate(prompts, params)]
+    for topk in (1, 2):
+        cfg = EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, tp_size=2,
+                           spec=_spec(head, topk, steps=3))
+        with Engine(cfg) as eng:
+            assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+            assert eng.stats.values["kv_used_tokens"] == 0
+
+
+def test_smollm2_tp3_speculative_matches_tp1_plain(copy_head, reference):
+    prompts, ref = reference
+    cfg = EngineConfig(dtype="float32", max_total_tokens=2048, tp_size=3, spec=_spec(copy_head, 2, steps=3))
+    with Engine(cfg) as eng:
+        out = eng.generate(prompts[:3], [_greedy(n) for n in (12, 10, 6)])
+        assert eng.stats.values["spec_verify_steps"] > 0
+    assert [r.token_ids for r in out] == [ref[0][:12], ref[1][:10], ref[2][:6]]
+
+
+def test_bfloat16_differences_begin_at_near_ties(copy_head, smol_dir):
+    """bf16 is not exact (different batch shapes round differently); every divergence must start where the
+    target's top two logits nearly tie."""
+    prompts = PROMPTS + ["Tell me about the moon.", "Why is the sky blue?", "Name a famous painter."]
+    params = [_greedy(24)] * len(prompts)
+    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=4096)) as eng:
+        ids = [eng.encode(p) for p in prompts]
+        plain = eng.generate(ids, [SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=2)]
+                             * len(ids))
+    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=4096, spec=_spec(copy_head, 2))) as eng:
+        spec = eng.generate(ids, params)
+    identical = sum(p.token_ids == s.token_ids for p, s in zip(plain, spec))
+    print(f"bfloat16: {identical}/{len(ids)} speculative outputs identical to plain greedy")
+    for p, s in zip(plain, spec):
+        if p.token_ids != s.token_ids:
+            i = next(j for j, (a, b) in enumerate(zip(p.token_ids, s.token_ids)) if a != b)
+            top = p.logprobs[i].top
+            gap = top[0][1] - top[1][1]
+            assert gap < 0.25, f"divergence at a clear decision (top-2 gap {gap:.3f} nats)"
+    assert identical >= len(ids) // 2
+
+
+# --- rank noise: rank 0 decides, so noise cannot split the ranks -------------------------------------------
+NOISE = 3.0
+
+
+def _noisy(tiny_llama, head, **kw) -> EngineConfig:
+    return EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, tp_size=kw.pop("tp", 2),
+                        debug_rank_logit_noise=NOISE, dist_timeout=30, **kw)
+
+
+def test_rank_noise_with_broadcast_stays_consistent(tiny_llama, tmp_path):
+    head = save_random_eagle_head(tmp_path / "h", load_model_config(resolve_model(str(tiny_llama))), "eagle")
+    prompts = [[i + 3, 2 * i + 5, 7, 11] for i in range(12)]
+    params = [SamplingParams(max_new_tokens=20, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(12)]
+    for spec in (_spec(head, 2, steps=3), SpecConfig()):
+        with Engine(_noisy(tiny_llama, head, spec=spec)) as eng:
+            out = eng.generate(prompts, params)
+            assert all(len(r.token_ids) == 20 for r in out)
+            assert eng.is_alive and eng.stats.values["rank_divergences"] == 0
+            assert eng.stats.values["kv_used_tokens"] == 0
+
+
+def test_rank_noise_tp3_smollm2_stays_consistent(copy_head):
+    cfg = EngineConfig(dtype="float32", max_total_tokens=2048, tp_size=3, debug_rank_logit_noise=NOISE,
+                       spec=_spec(copy_head, 1, steps=3), dist_timeout=60)
+    with Engine(cfg) as eng:
+        out = eng.generate([eng.encode(p) for p in PROMPTS[:3]], [_greedy(8)] * 3)
+        assert all(len(r.token_ids) == 8 for r in out) and eng.stats.values["rank_divergences"] == 0
+
+
+def test_skipping_the_decision_broadcast_is_caught_not_hung(tiny_llama, tmp_path):
+    """Without the broadcast each rank accepts by its own noisy logits (the upstream bug): the guard must
+    report the divergence and fail the requests within seconds; nothing may hang."""
+    head = save_random_eagle_head(tmp_path / "h", load_model_config(resolve_model(str(tiny_llama))), "eagle")
+    eng = Engine(_noisy(tiny_llama, head, spec=_spec(head, 2, steps=3), debug_skip_decision_broadcast=True))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"RankDivergenceError: TP ranks diverged at step \d+"):
+            eng.generate([[3, 4, 5]] * 4, _greedy(200), timeout=60)
+        assert time.monotonic() - t0 < 60
+        assert eng.stats.values["rank_divergences"] == 1
+        assert not eng.is_alive
+    finally:
+        eng.shutdown()
+
+
+def test_skip_broadcast_is_refused_without_noise(tiny_llama):
+    with pytest.raises(ValueError, match="refused without --debug-rank-logit-noise"):
+        Engine(EngineConfig(model_path=str(tiny_llama), debug_skip_decision_broadcast=True))
+
+
+# --- lossless rejection sampling -------------------------------------------------------------------------
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Toy tree: root with children tokens 2 and 0, token 2 with child 1. Over many draws the emitted first and
+    second tokens must follow the target's distribution (total-variation bound)."""
+    tree = VerifyTree(tokens=[9, 2, 0, 1], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2])
+    p_root = torch.tensor([0.1, 0.25, 0.4, 0.05, 0.2])
+    p_after = {2: torch.tensor([0.3, 0.3, 0.1, 0.2, 0.1]), 0: torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])}
+
+    def node_probs(node, path_tokens):
+        if node == 0:
+            return p_root
+        return p_after[tree.tokens[node]] if tree.tokens[node] in p_after else torch.full((5,), 0.2)
+
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    first = torch.zeros(5)
+    second_after_2 = torch.zeros(5)
+    for _ in range(n):
+        path, bonus = verify_sampling(tree, node_probs, gen)
+        emitted = [tree.tokens[x] for x in path] + [bonus]
+        first[emitted[0]] += 1
+        if emitted[0] == 2 and len(emitted) > 1:
+            second_after_2[emitted[1]] += 1
+    tv_first = 0.5 * (first / n - p_root).abs().sum().item()
+    tv_second = 0.5 * (second_after_2 / second_after_2.sum() - p_after[2]).abs().sum().item()
+    assert tv_first < 0.015, tv_first
+    assert tv_second < 0.025, tv_second
+
+
+# --- checkpoint formats ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,fmt", [("eagle", "bin"), ("eagle", "safetensors"), ("eagle3", "safetensors")])
+def test_published_head_layouts_load(tmp_path, smol_cfg, kind, fmt):
+    head = save_random_eagle_head(tmp_path / kind, smol_cfg, kind, fmt=fmt)
+    dcfg, state = read_draft(head, smol_cfg)
+    assert dcfg.kind == kind
+    if kind == "eagle3":
+        assert dcfg.draft_vocab_size == 1024 and dcfg.aux_layers == (2, 15, 27)
+    from speculative.heads import load_draft_head
+    from worker.dist import single_rank_group
+    from worker.loader import load_target
+
+    target, _ = load_target(EngineConfig(), resolve_model("smollm2-135m-instruct"),
+                            single_rank_group(torch.device("cpu")), torch.float32)
+    loaded = load_draft_head(head, target, single_rank_group(torch.device("cpu")), torch.float32, 512)
+    assert torch.equal(loaded.fc.weight, state["fc.weight"])
+
+
+def test_wrong_head_gives_clear_errors(tmp_path, smol_cfg):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    head = save_random_eagle_head(tmp_path / "bad", smol_cfg, "eagle")
+    state = load_file(str(head / "model.safetensors"))
+    state["fc.weight"] = torch.zeros(576, 100)
+    save_file(state, str(head / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="fc.weight takes 100 inputs"):
+        read_draft(head, smol_cfg)
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["hidden_size"] = 1024
+    (head / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="hidden size 1024 does not match"):
+        read_draft(head, smol_cfg)
+    (head / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="neither model.safetensors nor pytorch_model.bin"):
+        read_draft(head, smol_cfg)
+    with pytest.raises(EngineDeadError, match="draft head path"):
+        Engine(EngineConfig(dtype="float32", max_total_tokens=512,
+                            spec=SpecConfig("EAGLE", str(tmp_path / "missing"))))
