@@ -95,12 +95,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_draft(args: argparse.Namespace) -> int:
-    from speculative.train import main as train_main
-
-    return train_main(args.rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglegate", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -123,9 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
-    train = sub.add_parser("train-draft", help="train an EAGLE draft head by self-distillation", add_help=False)
-    train.add_argument("rest", nargs=argparse.REMAINDER)
-    train.set_defaults(func=cmd_train_draft)
+    sub.add_parser("train-draft", help="train an EAGLE draft head by self-distillation (see train-draft -h)")
     return parser
 
 
@@ -133,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]
+    if argv[0] == "train-draft":  # its own parser owns every flag after the subcommand
+        from speculative.train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -15,7 +15,7 @@ ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
 
 
 class Metrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, spec_positions: int = 0):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, lbl = self.registry, ["model_name"]
@@ -60,6 +60,18 @@ class Metrics:
         self.kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV cache slots in use (0..1).")
         self.steps = counter("engine_steps", "Engine steps executed by rank 0.")
         self._last_steps = 0
+        # create every series up front so dashboards show zeros, not gaps, before the first event
+        for metric in (self.spec_accept_length, self.spec_draft_tokens, self.spec_accepted_tokens,
+                       self.spec_verify_steps, self.consistency_checks, self.divergences, self.ttft, self.itl,
+                       self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens, self.running,
+                       self.waiting, self.kv_usage, self.steps):
+            self.labels(metric)
+        for kind in ("control", "draft", "verify"):
+            self.labels(self.decision_sync, kind=kind)
+        for pos in range(1, spec_positions + 1):
+            self.labels(self.spec_accepted_per_position, position=str(pos))
+        for reason in ("stop", "length", "abort"):
+            self.labels(self.requests, finished_reason=reason)
 
     def labels(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)

