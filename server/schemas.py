@@ -37,7 +37,13 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _SamplingFields(_Lenient):
+class _Strict(BaseModel):
+    """Top-level request bodies: an unknown field is a 400 that names it (as OpenAI does)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _SamplingFields(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None

@@ -8,10 +8,11 @@ import time
 import uvicorn
 
 from worker.config import EngineConfig
-from worker.engine import Engine, run_follower_node
+from worker.engine import run_follower_node
 
 from .app import ServerSettings, build_app
 from .metrics import Metrics
+from .supervisor import EngineSupervisor
 
 log = logging.getLogger("eaglegate.serve")
 GRACEFUL_SECONDS = 15
@@ -31,7 +32,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall_timeout: float,
-          log_level: str = "info") -> int:
+          log_level: str = "info", restart_workers: bool = True) -> int:
     if config.node_rank > 0:
         log.info("node %d of %d: starting local TP workers, joining %s", config.node_rank, config.nnodes,
                  config.dist_init_addr)
@@ -39,10 +40,15 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
     t0 = time.monotonic()
     name = config.served_model_name or config.model_path
     metrics = Metrics(name, spec_positions=config.spec.num_steps if config.spec.enabled else 0)
-    engine = Engine(config, on_step=metrics.on_step, on_fatal=metrics.on_fatal)
+    try:
+        supervisor = EngineSupervisor(config, metrics, restart=restart_workers)
+    except Exception as e:  # noqa: BLE001 - a start-up failure is reported, not a traceback
+        print(f"eaglegate: failed to start: {e}", flush=True)
+        return 1
+    engine = supervisor.engine
     settings = ServerSettings(served_model_name=name, model_aliases=(config.model_path,), api_key=api_key,
                               stall_timeout=stall_timeout)
-    app = build_app(engine, settings, metrics)
+    app = build_app(supervisor, settings, metrics)
     spec = config.spec
     print(f"eaglegate: loaded {config.model_path} (tp={config.tp_size}, dtype={config.dtype}, "
           f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path) if spec.enabled else ''}) "
@@ -53,6 +59,6 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
     try:
         server.run()
     finally:
-        engine.shutdown()
+        supervisor.shutdown()
     print("eaglegate: stopped", flush=True)
     return 0

@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
-from worker.config import SpecConfig
+from pathlib import Path
+
+from worker.config import DEFAULT_MODEL, SpecConfig
+
+DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle"
+# the tree that measured best for the shipped head on this 2-core CPU (bench/spec.py; see the README)
+DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 4, 1, 5
+
+
+def default_spec_config() -> SpecConfig:
+    return SpecConfig("EAGLE", str(DEFAULT_HEAD), num_steps=DEFAULT_STEPS, eagle_topk=DEFAULT_TOPK,
+                      num_draft_tokens=DEFAULT_DRAFT_TOKENS)
 
 
 def resolve_spec_config(args) -> SpecConfig:
-    algo = (args.speculative_algorithm or "NONE").upper()
+    algo = args.speculative_algorithm
+    if algo is None:  # speculation is on by default for the default model, with its shipped head
+        shipped = args.model_path == DEFAULT_MODEL and (DEFAULT_HEAD / "model.safetensors").exists()
+        if not shipped or args.speculative_draft_model_path:
+            algo = "EAGLE" if args.speculative_draft_model_path else "NONE"
+        else:
+            d = default_spec_config()
+            return SpecConfig("EAGLE", d.draft_model_path,
+                              num_steps=args.speculative_num_steps or d.num_steps,
+                              eagle_topk=args.speculative_eagle_topk or d.eagle_topk,
+                              num_draft_tokens=args.speculative_num_draft_tokens or d.num_draft_tokens,
+                              accept_threshold_single=args.speculative_accept_threshold_single,
+                              accept_threshold_acc=args.speculative_accept_threshold_acc)
+    algo = algo.upper()
     if algo == "NONE":
         return SpecConfig()
     steps = args.speculative_num_steps or 4
     topk = args.speculative_eagle_topk or 1
     draft = args.speculative_num_draft_tokens or (steps + 1 if topk == 1 else min(steps * topk + 1, 16))
-    return SpecConfig(algorithm=algo, draft_model_path=args.speculative_draft_model_path, num_steps=steps,
+    path = args.speculative_draft_model_path
+    if path is None and args.model_path == DEFAULT_MODEL:
+        path = str(DEFAULT_HEAD)
+    return SpecConfig(algorithm=algo, draft_model_path=path, num_steps=steps,
                       eagle_topk=topk, num_draft_tokens=draft,
                       accept_threshold_single=args.speculative_accept_threshold_single,
                       accept_threshold_acc=args.speculative_accept_threshold_acc)

