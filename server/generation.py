@@ -48,7 +48,7 @@ def chat_prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
     try:
         text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template may reject a role order; that is the client's request
-        raise APIError(400, f"messages cannot be rendered by the model's chat template: {e}", param="messages")
+        raise APIError(400, f"messages cannot be rendered by the model's chat template: {e}", param="messages") from e
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -8,8 +8,30 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 SYNC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
 
@@ -30,26 +52,33 @@ class Metrics:
             return Gauge(f"eaglegate:{name}", doc, lbl, registry=r)
 
         # speculative decoding
-        self.spec_accept_length = hist("spec_accept_length", "Tokens committed per verify step and request "
-                                       "(accepted drafts plus the bonus token).", ACCEPT_BUCKETS)
-        self.spec_accepted_per_position = counter("spec_accepted_tokens_per_position",
-                                                  "Draft tokens accepted at each tree depth.", ["position"])
+        self.spec_accept_length = hist(
+            "spec_accept_length",
+            "Tokens committed per verify step and request (accepted drafts plus the bonus token).",
+            ACCEPT_BUCKETS,
+        )
+        self.spec_accepted_per_position = counter(
+            "spec_accepted_tokens_per_position", "Draft tokens accepted at each tree depth.", ["position"]
+        )
         self.spec_draft_tokens = counter("spec_draft_tokens", "Draft tokens proposed for verification.")
         self.spec_accepted_tokens = counter("spec_accepted_tokens", "Draft tokens accepted by the target.")
         self.spec_verify_steps = counter("spec_verify_steps", "Verify steps (one per request and step).")
         # cross-rank decision sync
-        self.decision_sync = hist("decision_sync_latency_seconds",
-                                  "Latency of rank 0's decision broadcasts: kind=verify for the packed verify "
-                                  "decision, kind=draft for draft candidates, kind=control for the per-step plan.", SYNC_BUCKETS, ["kind"])
+        self.decision_sync = hist(
+            "decision_sync_latency_seconds",
+            "Latency of rank 0's decision broadcasts: kind=verify for the packed verify "
+            "decision, kind=draft for draft candidates, kind=control for the per-step plan.",
+            SYNC_BUCKETS,
+            ["kind"],
+        )
         self.consistency_checks = counter("rank_consistency_checks", "Cross-rank state fingerprint comparisons.")
         self.divergences = counter("rank_divergences", "Cross-rank state mismatches detected by the guard.")
         # requests
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.",
-                         LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between successive output chunks, per token.",
-                        LATENCY_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last output token.",
-                        LATENCY_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.", LATENCY_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between successive output chunks, per token.", LATENCY_BUCKETS
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last output token.", LATENCY_BUCKETS)
         self.queue_time = hist("queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -61,10 +90,24 @@ class Metrics:
         self.steps = counter("engine_steps", "Engine steps executed by rank 0.")
         self._last_steps = 0
         # create every series up front so dashboards show zeros, not gaps, before the first event
-        for metric in (self.spec_accept_length, self.spec_draft_tokens, self.spec_accepted_tokens,
-                       self.spec_verify_steps, self.consistency_checks, self.divergences, self.ttft, self.itl,
-                       self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens, self.running,
-                       self.waiting, self.kv_usage, self.steps):
+        for metric in (
+            self.spec_accept_length,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
+            self.spec_verify_steps,
+            self.consistency_checks,
+            self.divergences,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.steps,
+        ):
             self.labels(metric)
         for kind in ("control", "draft", "verify"):
             self.labels(self.decision_sync, kind=kind)

@@ -18,7 +18,7 @@ from torch import nn
 from worker.attention import AttentionMetadata
 from worker.dist import TPGroup
 from worker.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding
-from worker.model import MLP, Attention, CausalLM, DecoderLayer
+from worker.model import MLP, Attention, CausalLM, DecoderLayer, layer_param_map
 from worker.model_config import ModelConfig
 from worker.model_files import ModelLoadError
 from worker.weights import load_weights
@@ -191,24 +191,12 @@ class DraftHead(nn.Module):
     def param_map(self) -> dict[str, tuple[str, object]]:
         m: dict[str, tuple[str, object]] = {"fc.weight": ("fc.weight", None)}
         if self.kind == "eagle":
-            src, dst = "layers.0.", "layer."
             if self.dcfg.fc_bias:
                 m["fc.bias"] = ("fc.bias", None)
-            if self.dcfg.input_norm:
-                m[f"{src}input_layernorm.weight"] = (f"{dst}input_layernorm.weight", None)
-        else:
-            src, dst = "midlayer.", "midlayer."
-            m |= {"norm.weight": ("norm.weight", None), "lm_head.weight": ("lm_head.weight", None),
-                  f"{src}input_layernorm.weight": (f"{dst}input_layernorm.weight", None),
-                  f"{src}hidden_norm.weight": (f"{dst}hidden_norm.weight", None)}
-        for proj in ("q", "k", "v"):
-            m[f"{src}self_attn.{proj}_proj.weight"] = (f"{dst}self_attn.qkv_proj.weight", proj)
-        m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
-        m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
-        m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
-        m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
-        m[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_attention_layernorm.weight", None)
-        return m
+            return m | layer_param_map("layers.0.", "layer.", input_norm=self.dcfg.input_norm)
+        m |= {"norm.weight": ("norm.weight", None), "lm_head.weight": ("lm_head.weight", None),
+              "midlayer.hidden_norm.weight": ("midlayer.hidden_norm.weight", None)}
+        return m | layer_param_map("midlayer.", "midlayer.")
 
 
 def load_draft_head(path: str | Path, target: CausalLM, tp: TPGroup, dtype: torch.dtype,

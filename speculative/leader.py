@@ -14,7 +14,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.leader import Leader, follower_step, maybe_check
+from worker.leader import Leader, maybe_check
 from worker.protocol import StepPlan
 from worker.runner import ModelRunner
 from worker.sampling import apply_penalties, filter_probs
@@ -241,15 +241,13 @@ def make_spec_leader(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> 
     return SpecLeader(config, runner, tp)
 
 
-def run_spec_follower(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> None:
+def make_spec_follower(config: EngineConfig, runner: ModelRunner, tp: TPGroup):
+    """A non-zero rank's speculative step: the same forwards, rank 0's decisions, the guard."""
     worker = SpecWorker(config, runner, tp)
-    while True:
-        plan: StepPlan = tp.broadcast_object()
-        if plan.kind == "shutdown":
-            return
-        if plan.kind == "forward":
-            follower_step(config, runner, tp, plan)
-        elif plan.kind == "spec":
-            step: SpecStep = plan.spec
-            result = worker.run(step, FollowerDecider(tp, config, len(step.seqs)))
-            maybe_check(config, tp, plan, _committed(step, result.commits))
+
+    def step(plan: StepPlan) -> None:
+        spec: SpecStep = plan.spec
+        result = worker.run(spec, FollowerDecider(tp, config, len(spec.seqs)))
+        maybe_check(config, tp, plan, _committed(spec, result.commits))
+
+    return step

@@ -15,7 +15,7 @@ def _mixed_prompts(engine, n: int = 16) -> list[list[int]]:
     rng = random.Random(7)
     words = "the river mountain quiet engine spark garden ocean silver paper lantern music window".split()
     prompts = []
-    for i in range(n):
+    for _ in range(n):
         length = rng.choice([3, 8, 20, 60, 150])
         prompts.append(engine.encode(" ".join(rng.choice(words) for _ in range(length))))
     return prompts

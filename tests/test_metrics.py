@@ -143,7 +143,7 @@ def test_speculative_series_move_only_with_speculation(spec_server, tiny_llama):
     assert _value(text, "eaglegate:decision_sync_latency_seconds_count", kind="draft") > 0
     assert _value(text, "eaglegate:spec_draft_tokens_total") > 0
     for pos in ("1", "2", "3"):  # one series per draft depth, present from the start
-        assert f'eaglegate:spec_accepted_tokens_per_position_total{{model_name="' in text and f'position="{pos}"' in text
+        assert 'eaglegate:spec_accepted_tokens_per_position_total{model_name="' in text and f'position="{pos}"' in text
     plain = _server(tiny_llama, ["--speculative-algorithm", "NONE"])
     try:
         _traffic(plain, str(tiny_llama), 2)

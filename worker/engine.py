@@ -187,7 +187,9 @@ class Engine:
         if self._closing:
             return
         # rank 0 reports why (a Fatal) just before it exits; wait for that report, briefly, since it says more
-        deadline, rank0_gone_at = time.monotonic() + 3.0, None
+        # a dead follower breaks rank 0's next collective (its idle heartbeat runs every second), so rank 0 exits
+        # soon too; wait for it, bounded, then give its report a moment to arrive
+        deadline, rank0_gone_at = time.monotonic() + min(max(5.0, self.config.dist_timeout), 15.0), None
         while not self._dead_event.wait(0.05) and time.monotonic() < deadline:
             if self._procs[0].exitcode is not None and self.config.node_rank == 0:
                 rank0_gone_at = rank0_gone_at or time.monotonic()

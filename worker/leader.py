@@ -20,8 +20,11 @@ class Leader:
         self.config, self.runner, self.tp = config, runner, tp
         self.model_cfg = runner.model_cfg
         pool = BlockPool(runner.num_blocks, config.block_size)
-        self.max_model_len = min(config.max_model_len or self.model_cfg.max_position_embeddings,
-                                 runner.model.rope.cos.shape[0], pool.num_blocks * pool.block_size - self.reserve)
+        self.max_model_len = min(
+            config.max_model_len or self.model_cfg.max_position_embeddings,
+            runner.model.rope.cos.shape[0] - self.reserve,  # speculative trees reach `reserve` positions ahead
+            pool.num_blocks * pool.block_size - self.reserve,
+        )
         self.scheduler = Scheduler(pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len)
         self.rng = torch.Generator()
         self.rng.manual_seed(config.seed)
@@ -49,12 +52,23 @@ class Leader:
     def _add(self, req: AddRequest) -> None:
         n = len(req.prompt_ids)
         if n == 0 or n >= self.max_model_len:
-            self.outputs.append(RequestOutput(req.request_id, [], None, "error", n, 0,
-                                              error=f"prompt has {n} tokens; it must have between 1 and "
-                                                    f"{self.max_model_len - 1} (the context limit)"))
+            self.outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    [],
+                    None,
+                    "error",
+                    n,
+                    0,
+                    error=f"prompt has {n} tokens; it must have between 1 and "
+                    f"{self.max_model_len - 1} (the context limit)",
+                )
+            )
             return
         gen = torch.Generator(device=self.tp.device)
-        seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
+        seed = (
+            req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
+        )
         gen.manual_seed(seed)
         seq = Sequence(self.next_seq_id, req.request_id, list(req.prompt_ids), n, req.params, gen)
         self.next_seq_id += 1
@@ -134,9 +148,17 @@ class Leader:
         if not seq.reported and seq.first_scheduled is not None:
             queued = seq.first_scheduled - seq.arrival
             seq.reported = True
-        self.outputs.append(RequestOutput(
-            seq.request_id, seq.pending_tokens, seq.pending_logprobs if seq.params.logprobs is not None else None,
-            seq.finish_reason, seq.num_prompt, len(seq.output_ids), queue_seconds=queued))
+        self.outputs.append(
+            RequestOutput(
+                seq.request_id,
+                seq.pending_tokens,
+                seq.pending_logprobs if seq.params.logprobs is not None else None,
+                seq.finish_reason,
+                seq.num_prompt,
+                len(seq.output_ids),
+                queue_seconds=queued,
+            )
+        )
         seq.pending_tokens, seq.pending_logprobs = [], []
 
     def take_report(self, stepped: bool = False) -> StepReport | None:
@@ -151,8 +173,9 @@ class Leader:
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.by_request.values()):
             self.scheduler.finish(seq, "error")
-            self.outputs.append(RequestOutput(seq.request_id, [], None, "error", seq.num_prompt,
-                                              len(seq.output_ids), error=message))
+            self.outputs.append(
+                RequestOutput(seq.request_id, [], None, "error", seq.num_prompt, len(seq.output_ids), error=message)
+            )
 
 
 def follower_step(config: EngineConfig, runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:

@@ -101,15 +101,22 @@ class CausalLM(nn.Module):
         if not self.cfg.tie_word_embeddings:
             m["lm_head.weight"] = ("lm_head.weight", None)
         for i in range(self.cfg.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for proj in ("q", "k", "v"):
-                m[f"{src}self_attn.{proj}_proj.weight"] = (f"{dst}self_attn.qkv_proj.weight", proj)
-                if self.cfg.attention_bias:
-                    m[f"{src}self_attn.{proj}_proj.bias"] = (f"{dst}self_attn.qkv_proj.bias", proj)
-            m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
-            m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
-            m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
-            m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
-            m[f"{src}input_layernorm.weight"] = (f"{dst}input_layernorm.weight", None)
-            m[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_attention_layernorm.weight", None)
+            m |= layer_param_map(f"model.layers.{i}.", f"layers.{i}.", self.cfg.attention_bias)
         return m
+
+
+def layer_param_map(src: str, dst: str, qkv_bias: bool = False, input_norm: bool = True) -> dict:
+    """Checkpoint names of one decoder layer -> (packed parameter, shard id), for targets and draft heads."""
+    m: dict[str, tuple[str, object]] = {}
+    for proj in ("q", "k", "v"):
+        m[f"{src}self_attn.{proj}_proj.weight"] = (f"{dst}self_attn.qkv_proj.weight", proj)
+        if qkv_bias:
+            m[f"{src}self_attn.{proj}_proj.bias"] = (f"{dst}self_attn.qkv_proj.bias", proj)
+    m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
+    m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
+    m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
+    m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
+    if input_norm:
+        m[f"{src}input_layernorm.weight"] = (f"{dst}input_layernorm.weight", None)
+    m[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_attention_layernorm.weight", None)
+    return m

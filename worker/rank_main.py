@@ -77,6 +77,8 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
     except BaseException as e:  # report, then exit non-zero so the supervisor fails fast
         if outbox is not None:
             outbox.send_pyobj(Fatal(f"rank {rank}: {type(e).__name__}: {e}", type(e).__name__))
+            outbox.close(linger=2000)  # deliver the report before exiting: os._exit drops queued messages
+            ctx.term()
         if not isinstance(e, KeyboardInterrupt):
             traceback.print_exc()
         os._exit(1)
@@ -137,15 +139,19 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, load_seconds: 
 
 
 def _follow(config, runner, tp: TPGroup) -> None:
-    if config.spec.enabled:
-        from speculative.leader import run_spec_follower
-
-        return run_spec_follower(config, runner, tp)
+    """Execute rank 0's plans until it says shutdown; no scheduling state lives here."""
     from .leader import follower_step
 
+    spec_step = None
+    if config.spec.enabled:
+        from speculative.leader import make_spec_follower
+
+        spec_step = make_spec_follower(config, runner, tp)
     while True:
         plan: StepPlan = tp.broadcast_object()
         if plan.kind == "shutdown":
             return
         if plan.kind == "forward":
             follower_step(config, runner, tp, plan)
+        elif plan.kind == "spec":
+            spec_step(plan)

@@ -47,8 +47,13 @@ class ModelRunner:
         kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
         shape = (slots, kv_local, self.model_cfg.head_dim)
         self.kv_dtype = kv_cache_dtype(self.dtype, tp.device)
-        self.kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
-                    torch.zeros(shape, dtype=self.kv_dtype, device=tp.device)) for _ in range(self.model_cfg.num_layers)]
+        self.kv = [
+            (
+                torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
+            )
+            for _ in range(self.model_cfg.num_layers)
+        ]
         self.on_hidden = None  # speculative decoding stores the draft's features from every target forward
         self.noise_gen = torch.Generator(device=tp.device)
         self.noise_gen.manual_seed(1000 + tp.rank)
@@ -59,7 +64,8 @@ class ModelRunner:
             tokens = self.config.max_total_tokens
         else:
             tokens = int(available_memory(self.tp.device) * self.config.mem_fraction) // kv_bytes_per_token(
-                self.model, kv_cache_dtype(self.dtype, self.tp.device))
+                self.model, kv_cache_dtype(self.dtype, self.tp.device)
+            )
             if self.tp.device.type == "cpu":
                 tokens = min(tokens, CPU_DEFAULT_MAX_TOKENS)
         blocks = torch.tensor([max(1, tokens // self.block_size)], dtype=torch.int64)

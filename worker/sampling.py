@@ -53,22 +53,44 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             finite(name, getattr(self, name))
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_tokens",
-              f"max_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be a positive integer, got {self.max_new_tokens!r}",
+        )
         check(0.0 <= self.temperature <= 2.0, "temperature", f"temperature must be in [0, 2], got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"top_k must be -1 (off) or >= 0, got {self.top_k}",
+        )
         check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
-              f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "top_logprobs",
-              f"top_logprobs must be in [0, 20], got {self.logprobs!r}")
+        check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+        )
+        check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            f"seed must be a non-negative 64-bit integer, got {self.seed!r}",
+        )
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "top_logprobs",
+            f"top_logprobs must be in [0, 20], got {self.logprobs!r}",
+        )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
             check(not bad, "stop_token_ids", f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad}")
