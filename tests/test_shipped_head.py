@@ -1,0 +1,43 @@
+"""The EAGLE head shipped for the default model: it loads, it is served by default, it accepts well, it is lossless."""
+
+from __future__ import annotations
+
+import argparse
+
+from conftest import chat
+
+from server.cli import add_engine_args
+from speculative.defaults import DEFAULT_HEAD, resolve_spec_config
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.sampling import SamplingParams
+
+QUESTIONS = ["Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
+             "What are three tips for staying healthy?", "Describe how a bicycle works."]
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_default_model_serves_with_the_shipped_head_by_default():
+    spec = resolve_spec_config(_cli())
+    assert spec.algorithm == "EAGLE" and spec.draft_model_path == str(DEFAULT_HEAD)
+    assert (DEFAULT_HEAD / "model.safetensors").exists() and (DEFAULT_HEAD / "README.md").exists()
+    assert resolve_spec_config(_cli("--speculative-algorithm", "NONE")).algorithm == "NONE"
+    assert resolve_spec_config(_cli("--model-path", "/some/other/model")).algorithm == "NONE"
+
+
+def test_shipped_head_accepts_more_than_one_and_a_half_tokens_per_step(smol_engine):
+    prompts = [smol_engine.encode(chat(smol_engine, q)) for q in QUESTIONS]
+    params = SamplingParams(max_new_tokens=64, temperature=0)
+    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
+    spec = resolve_spec_config(_cli())
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
+        out = [eng.generate([p], params)[0].token_ids for p in prompts]  # batch 1, as served
+        stats = eng.stats.values
+    assert out == ref
+    print(f"shipped head: accept length {stats['spec_accept_length_mean']:.2f} tokens per verify step")
+    assert stats["spec_accept_length_mean"] > 1.5
