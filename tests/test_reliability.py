@@ -159,10 +159,10 @@ def test_api_key_never_leaks(server):
 
 
 def test_worker_death_gives_503_then_the_group_restarts(tiny_llama, head):
-    s = ServerProcess(_args(tiny_llama, head, "--tp-size", "2"))
+    s = ServerProcess(_args(tiny_llama, head, "--tp-size", "2", "--max-model-len", "6000"))
     try:
         workers = sorted(descendants(s.proc.pid) - {s.proc.pid})
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 480,
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 5900,
                 "ignore_eos": True, "stream": True}
         outcome = {}
 
