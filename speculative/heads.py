@@ -88,14 +88,6 @@ def read_draft(path: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, 
                        aux), state
 
 
-def eagle3_aux_layers(spec, model_path: str) -> tuple[int, ...]:
-    from worker.model_config import load_model_config
-    from worker.model_files import resolve_model
-
-    target_cfg = load_model_config(resolve_model(model_path))
-    return read_draft(resolve_draft_path(spec.draft_model_path), target_cfg)[0].aux_layers
-
-
 def resolve_draft_path(path: str | None) -> Path:
     if path is None:
         raise ModelLoadError("speculative decoding needs --speculative-draft-model-path")

@@ -78,9 +78,10 @@ class _Decisions:
 
 
 class LeaderDecider(_Decisions):
-    def __init__(self, tp: TPGroup, config: EngineConfig, seqs: list[Sequence]):
+    def __init__(self, tp: TPGroup, config: EngineConfig, seqs: list[Sequence], head):
         super().__init__(tp, config, len(seqs))
         self.seqs = seqs
+        self.head = head  # maps draft-vocabulary ids to target ids (FR-Spec subset, EAGLE-3 d2t)
         self._child_scores: list[list[float]] = []
 
     def first(self, logp: torch.Tensor, k: int) -> torch.Tensor:
@@ -89,9 +90,7 @@ class LeaderDecider(_Decisions):
         return self._sync(self._head_ids(idx), k, "draft")
 
     def _head_ids(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head.to_target_ids(idx).cpu() if self.head is not None else idx.cpu()
-
-    head = None  # set by SpecLeader: maps the draft vocabulary to target ids (EAGLE-3)
+        return self.head.to_target_ids(idx).cpu()
 
     def expand(self, logp: torch.Tensor, trees: list[DraftTree], k: int, last: bool):
         vals, idx = torch.topk(logp, k, dim=-1)  # [B, k(frontier), k(children)]
@@ -192,8 +191,7 @@ class SpecLeader(Leader):
                                  s.token_ids[s.draft_cached + 1 : s.num_cached + 1]) for s in seqs])
         plan = StepPlan(self.step_no, "spec", spec=step)
         self.broadcast_plan(plan)
-        decider = LeaderDecider(self.tp, self.config, seqs)
-        decider.head = self.worker.head
+        decider = LeaderDecider(self.tp, self.config, seqs, self.worker.head)
         result: SpecResult = self.worker.run(step, decider)
         self._apply(seqs, step, result)
         m = self.step_metrics
