@@ -72,6 +72,22 @@ def single_stream(plain: Engine, spec: Engine, prompts: list[list[int]], max_tok
             "n": len(prompts), "tokens": n_plain}
 
 
+def identity_check(draft: str, setting: tuple[int, int, int], questions: list[str], max_tokens: int) -> dict:
+    """Speculative greedy output against plain greedy output in float32, where both are exact."""
+    steps, topk, ndt = setting
+    spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=SpecConfig())) as plain, \
+            Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec_cfg)) as spec:
+        prompts = [chat_prompt(plain.tokenizer, q) for q in questions]
+        r = single_stream(plain, spec, prompts, max_tokens)
+    return {"identical": r["identical"], "n": r["n"], "tau": r["tau"]}
+
+
+def chat_prompt(tok, question: str) -> list[int]:
+    p = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    return p if isinstance(p, list) else p["input_ids"]
+
+
 def concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> float:
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
     batch = (prompts * (concurrency // len(prompts) + 1))[:concurrency]
@@ -138,6 +154,10 @@ def main() -> None:
                     help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
     ap.add_argument("--concurrency", default="4,16")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
+    ap.add_argument("--name", default="spec", help="results go to bench/out/NAME.json and NAME.png")
+    ap.add_argument("--identity-check", type=int, default=5,
+                    help="also compare outputs in float32 on this many questions (bfloat16 verify and decode "
+                         "kernels round differently, so bf16 greedy outputs may part at near-ties)")
     args = ap.parse_args()
     fetch_default_model(quiet=True)
     questions = mtbench_first_turns(args.limit)
@@ -148,9 +168,7 @@ def main() -> None:
     results: dict = {"settings": [], "concurrency": {}, "limit": args.limit, "max_tokens": args.max_tokens}
     with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=SpecConfig())) as plain:
         tok = plain.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=True) for q in questions]
-        prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+        prompts = [chat_prompt(tok, q) for q in questions]
         for steps, topk, ndt in settings:
             spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
             with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
@@ -161,12 +179,17 @@ def main() -> None:
                       f"{r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  identical {r['identical']}/{r['n']}",
                       flush=True)
                 if (steps, topk, ndt) == settings[0]:
-                    for c in map(int, args.concurrency.split(",")):
+                    for c in [int(x) for x in args.concurrency.split(",") if x]:
                         p_tps = concurrent(plain, prompts, args.max_tokens, c)
                         s_tps = concurrent(spec, prompts, args.max_tokens, c)
                         results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps}
                         print(f"concurrency {c}: plain {p_tps:.1f} tok/s  EAGLE {s_tps:.1f} tok/s  "
                               f"({s_tps / p_tps:.2f}x)", flush=True)
+    if args.identity_check:
+        results["float32_identity"] = identity_check(draft, settings[0], questions[: args.identity_check],
+                                                     args.max_tokens)
+        print("float32 identity: {identical}/{n} outputs identical (tau {tau:.2f})".format(
+            **results["float32_identity"]), flush=True)
     results["concurrency"]["1"] = {"plain": results["settings"][0]["plain_tok_s"],
                                    "spec": results["settings"][0]["spec_tok_s"]}
     lc = llama_cpp_tok_s(questions, args.max_tokens)
@@ -174,9 +197,9 @@ def main() -> None:
     print(f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s" if lc else
           "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped")
     OUT.mkdir(exist_ok=True)
-    (OUT / "spec.json").write_text(json.dumps(results, indent=2))
-    plot(results, OUT / "spec.png")
-    print(f"threads {torch.get_num_threads()}, results in {OUT / 'spec.json'}")
+    (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+    plot(results, OUT / f"{args.name}.png")
+    print(f"threads {torch.get_num_threads()}, results in {OUT / args.name}.json")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,27 @@ def sharegpt_prompts(limit: int, seed: int = 0, max_chars: int = 600) -> list[st
     return prompts[:limit]
 
 
+def sharegpt_conversations(limit: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Complete ShareGPT conversations as chat messages (user/assistant alternating, English text), for
+    teacher-forced training: the target reads them and its own greedy choice at each position is the label."""
+    text = _fetch_sharegpt().read_text(encoding="utf-8", errors="ignore")
+    roles = {"human": "user", "gpt": "assistant"}
+    convs = []
+    for conv in iter_complete_json_array(text):
+        turns = conv.get("conversations") or []
+        msgs = [{"role": roles.get(t.get("from"), ""), "content": (t.get("value") or "").strip()} for t in turns]
+        if len(msgs) < 2 or msgs[0]["role"] != "user":
+            continue
+        if any(m["role"] != ("user", "assistant")[i % 2] or not m["content"] for i, m in enumerate(msgs)):
+            continue
+        body = "".join(m["content"] for m in msgs)
+        if sum(c.isascii() for c in body) < 0.97 * len(body):
+            continue
+        convs.append(msgs)
+    random.Random(seed + 1).shuffle(convs)  # a different order from sharegpt_prompts'
+    return convs[:limit]
+
+
 def training_prompts(source: str, limit: int, seed: int) -> list[str]:
     if source == "builtin":
         return (BUILTIN_PROMPTS * (limit // len(BUILTIN_PROMPTS) + 1))[:limit]

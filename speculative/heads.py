@@ -36,6 +36,11 @@ class DraftConfig:
     aux_layers: tuple[int, ...]  # EAGLE-3: target layers whose outputs are fused
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high target layers when a head does not name them."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
     try:
@@ -78,8 +83,7 @@ def read_draft(path: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, 
     aux: tuple[int, ...] = ()
     if kind == "eagle3":
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        L = target_cfg.num_layers
-        aux = tuple(ids) if ids else (2, L // 2, L - 3)
+        aux = tuple(ids) if ids else default_aux_layers(target_cfg.num_layers)
     if kind == "eagle3":
         draft_vocab = state["lm_head.weight"].shape[0]
     else:

@@ -1,12 +1,13 @@
 """`eaglegate train-draft`: self-distil an EAGLE head for a target model on this machine.
 
-1. The target answers a prompt corpus through the engine (batched, greedy).
-2. A teacher-forced pass records the target's features (final hidden states) for prompt + answer.
-3. The head is trained with training-time test (TTT): step d feeds the head its own step d-1 prediction, with the
-   attention pattern it sees at inference (true context up to t, its own chain on the diagonal). Loss: SmoothL1 on
-   features + w * cross-entropy on the next token over the draft vocabulary (the K most frequent tokens: FR-Spec),
-   step d weighted 0.8^d. AdamW, betas (0.9, 0.95), grad clip 0.5, uniform feature noise (EAGLE's recipe).
-4. Saves an EAGLE-layout head (config.json + model.safetensors + README.md card); resumable from checkpoint.pt.
+1. Data (train_data.py): the target answers a prompt corpus through the engine (batched, greedy) and/or reads
+   ShareGPT conversations; one teacher-forced pass records features and the target's greedy next tokens (labels).
+2. The head (train_model.py: EAGLE-1/2 or EAGLE-3 layout) is trained with training-time test (TTT): step d feeds
+   the head its own step d-1 prediction. Loss per step: w * cross-entropy on the target's greedy token over the
+   draft vocabulary (the K most frequent labels: FR-Spec) + SmoothL1 on features (EAGLE-1/2 only), step d
+   weighted 0.8^d, only where the prediction lands in assistant text. AdamW, betas (0.9, 0.95), grad clip 0.5,
+   uniform feature noise (EAGLE's recipe).
+3. Saves the head (config.json + model.safetensors + README.md card); resumable from checkpoint.pt.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from worker.config import DEFAULT_MODEL, EngineConfig
 from worker.dist import single_rank_group
 from worker.loader import load_target
 from worker.model_files import resolve_model
-from worker.protocol import StepPlan
-from worker.runner import ModelRunner
 
-from .data import training_prompts
+from .heads import default_aux_layers
+from .train_data import collect
+from .train_model import TRAINABLE
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,7 +39,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-path", default=DEFAULT_MODEL)
     p.add_argument("--out", required=True, help="output folder (also holds data.pt and checkpoint.pt)")
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
-    p.add_argument("--num-prompts", type=int, default=600)
+    p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)")
+    p.add_argument("--init-from", default=None, help="warm-start from this eaglegate head folder (same --kind)")
+    p.add_argument("--kind", default="eagle", choices=sorted(TRAINABLE), help="head layout: EAGLE-1/2 or EAGLE-3")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--max-len", type=int, default=384, help="tokens per training sequence")
     p.add_argument("--epochs", type=float, default=2.0)
@@ -56,133 +61,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# --- data ---------------------------------------------------------------------------------------------------
-def collect(args, out: Path) -> dict:
-    """Prompt -> greedy answer through the engine -> teacher-forced features. Cached in out/data.pt."""
-    cache = out / "data.pt"
-    if cache.exists():
-        return torch.load(cache, weights_only=False)
-    from worker.engine import Engine
-    from worker.sampling import SamplingParams
+def losses(model, batch, vocab_index, args) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Weighted TTT loss and, per step, which positions predicted the target's next token (for acceptance).
 
-    prompts = training_prompts(args.prompts, args.num_prompts, args.seed)
-    with Engine(EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536,
-                             max_running_requests=64)) as engine:
-        tok = engine.tokenizer
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in prompts]
-        ids = [x["input_ids"] if not isinstance(x, list) else x for x in ids]
-        ids = [x[: args.max_len - 32] for x in ids]
-        t0 = time.time()
-        results = []
-        for i in tqdm(range(0, len(ids), 64), desc="generating answers", unit="batch"):
-            results += engine.generate(ids[i : i + 64], SamplingParams(max_new_tokens=args.max_new_tokens,
-                                                                       temperature=0))
-        gen_s = time.time() - t0
-    seqs = [(p + r.token_ids)[: args.max_len] for p, r in zip(ids, results)]
-    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_len + 16)
-    runner = ModelRunner(config, resolve_model(args.model_path), single_rank_group(torch.device("cpu")))
-    feats = []
-    blocks = list(range(runner.num_blocks))
-    for s in tqdm(seqs, desc="recording features", unit="seq"):
-        plan = StepPlan(0, "forward", s, [(0, len(s), blocks)], [len(s) - 1])
-        with torch.inference_mode():
-            _, hidden, _ = runner.forward(plan)
-        feats.append(hidden.to(torch.bfloat16).clone())
-    data = {"seqs": seqs, "feats": feats, "num_prompts": len(prompts), "generation_seconds": gen_s,
-            "prompt_source": args.prompts}
-    torch.save(data, cache)
-    return data
-
-
-# --- model --------------------------------------------------------------------------------------------------
-class TrainableEagle(torch.nn.Module):
-    """The EAGLE-1/2 head's parameters (full, tp=1) plus a training forward with TTT attention masks."""
-
-    def __init__(self, target, draft_vocab: torch.Tensor):
-        super().__init__()
-        cfg = target.cfg
-        h, self.heads, self.kv_heads, self.hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        src = target.layers[-1]  # initialise the draft layer from the target's last layer
-        f32 = lambda t: torch.nn.Parameter(t.detach().float().clone())  # noqa: E731
-        self.fc_w = torch.nn.Parameter(torch.cat([torch.randn(h, h) * 0.01, torch.eye(h)], dim=1))
-        self.fc_b = torch.nn.Parameter(torch.zeros(h))
-        self.qkv = f32(src.self_attn.qkv_proj.weight)
-        # residual branches start at zero: the untrained head passes the feature through (a sane start)
-        self.o = torch.nn.Parameter(torch.zeros_like(src.self_attn.o_proj.weight, dtype=torch.float32))
-        self.gate_up = f32(src.mlp.gate_up_proj.weight)
-        self.down = torch.nn.Parameter(torch.zeros_like(src.mlp.down_proj.weight, dtype=torch.float32))
-        self.post_norm = f32(src.post_attention_layernorm.weight)
-        self.eps = cfg.rms_norm_eps
-        self.embed = target.embed_tokens.weight.detach().float()
-        self.lm_sub = target.lm_head.weight.detach().float()[draft_vocab]
-        self.cos, self.sin = target.rope.cos, target.rope.sin
-
-    def _rope(self, x, pos):
-        cos, sin = self.cos[pos].unsqueeze(-2), self.sin[pos].unsqueeze(-2)  # [B,T,1,D]
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
-
-    def forward(self, ids: torch.Tensor, feats: torch.Tensor, unroll: int, noise: float) -> list[torch.Tensor]:
-        """ids [B,T] tokens, feats [B,T,h] target features. Returns each step's predicted features [B,T,h]."""
-        B, T, h = feats.shape
-        q_size, kv_size = self.heads * self.hd, self.kv_heads * self.hd
-        inp = feats + (torch.rand_like(feats) * 2 - 1) * noise if noise else feats
-        keys, values, outs = [], [], []
-        base = torch.arange(T)
-        causal = base.view(T, 1) >= base.view(1, T)
-        diag = torch.eye(T, dtype=torch.bool)
-        for d in range(unroll):
-            tok = F.pad(ids[:, d + 1 :], (0, d + 1))  # x_{t+d+1}
-            x = F.linear(torch.cat([self.embed[tok], inp], dim=-1), self.fc_w, self.fc_b)
-            q, k, v = F.linear(x, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            pos = (base + d).clamp(max=self.cos.shape[0] - 1).expand(B, T)
-            q = self._rope(q.view(B, T, self.heads, self.hd), pos)
-            k = self._rope(k.view(B, T, self.kv_heads, self.hd), pos)
-            keys.append(k)
-            values.append(v.view(B, T, self.kv_heads, self.hd))
-            K = torch.cat(keys, dim=1).transpose(1, 2)
-            V = torch.cat(values, dim=1).transpose(1, 2)
-            mask = torch.cat([causal] + [diag] * d, dim=1)
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, q_size), self.o)
-            n = F.rms_norm(x, (h,), eps=self.eps) * self.post_norm
-            g, u = F.linear(n, self.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, self.down)
-            outs.append(x)
-            inp = x  # the next step sees this step's prediction, as at inference
-        return outs
-
-    def state_for_eagle(self) -> dict[str, torch.Tensor]:
-        q_size, kv_size = self.heads * self.hd, self.kv_heads * self.hd
-        q, k, v = self.qkv.detach().split([q_size, kv_size, kv_size])
-        g, u = self.gate_up.detach().chunk(2)
-        p = "layers.0."
-        return {"fc.weight": self.fc_w.detach(), "fc.bias": self.fc_b.detach(),
-                p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-                p + "self_attn.o_proj.weight": self.o.detach(), p + "mlp.gate_proj.weight": g,
-                p + "mlp.up_proj.weight": u, p + "mlp.down_proj.weight": self.down.detach(),
-                p + "post_attention_layernorm.weight": self.post_norm.detach()}
-
-
-def losses(model: TrainableEagle, ids, feats, lengths, vocab_index, args) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Weighted TTT loss and, per step, which positions predicted the next token correctly (for acceptance)."""
+    Step d at position t reads token x_{t+d+1} and predicts the target's feature at t+d+1 and its greedy choice
+    there (labels[t+d+1]); only positions whose prediction lands in assistant text count."""
+    ids, feats, labels, mask = batch
     B, T, _ = feats.shape
     outs = model(ids, feats, args.unroll, args.noise if model.training else 0.0)
     total, correct = 0.0, []
-    t = torch.arange(T)
     for d, out in enumerate(outs):
-        valid = (t.view(1, T) + d + 2) < lengths.view(B, 1)
-        tgt_feat = F.pad(feats[:, d + 1 :], (0, 0, 0, d + 1))
-        tgt_tok = F.pad(ids[:, d + 2 :], (0, d + 2))
-        feat_loss = F.smooth_l1_loss(out[valid], tgt_feat[valid])
-        logits = F.linear(out[valid], model.lm_sub)
-        labels = vocab_index[tgt_tok[valid]]
-        ce = F.cross_entropy(logits, labels, ignore_index=-1)
-        total = total + (0.8**d) * (feat_loss + args.ce_weight * ce)
+        valid = F.pad(mask[:, d + 1 :], (0, d + 1))
+        tgt_feat = F.pad(feats[:, d + 1 :], (0, 0, 0, d + 1)) if model.feature_weight else None
+        tgt_tok = F.pad(labels[:, d + 1 :], (0, d + 1))
+        logits = model.logits(out[valid])
+        target = vocab_index[tgt_tok[valid]]
+        loss = args.ce_weight * F.cross_entropy(logits, target, ignore_index=-1)
+        if model.feature_weight:
+            loss = loss + model.feature_weight * F.smooth_l1_loss(out[valid], tgt_feat[valid])
+        total = total + (0.8**d) * loss
         hit = torch.zeros(B, T, dtype=torch.bool)
-        hit[valid] = logits.argmax(-1) == labels
+        hit[valid] = logits.argmax(-1) == target
         correct.append((hit, valid))
     return total, correct
 
@@ -199,7 +98,9 @@ def expected_accept_length(correct) -> float:
     return tau
 
 
-def batches(seqs, feats, indices, batch_size, shuffle, rng):
+def batches(data: dict, indices, batch_size, shuffle, rng):
+    """Length-bucketed padded batches: (ids [B,T], feats [B,T,h], labels [B,T], mask [B,T])."""
+    seqs = data["seqs"]
     order = sorted(indices, key=lambda i: len(seqs[i]))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if shuffle:
@@ -207,23 +108,35 @@ def batches(seqs, feats, indices, batch_size, shuffle, rng):
     for g in groups:
         T = max(len(seqs[i]) for i in g)
         ids = torch.zeros(len(g), T, dtype=torch.long)
-        f = torch.zeros(len(g), T, feats[g[0]].shape[-1])
+        labels = torch.zeros(len(g), T, dtype=torch.long)
+        mask = torch.zeros(len(g), T, dtype=torch.bool)
+        f = torch.zeros(len(g), T, data["feats"][g[0]].shape[-1])
         for r, i in enumerate(g):
-            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
-            f[r, : len(seqs[i])] = feats[i].float()
-        yield ids, f, torch.tensor([len(seqs[i]) for i in g])
+            n = len(seqs[i])
+            ids[r, :n] = torch.tensor(seqs[i])
+            f[r, :n] = data["feats"][i].float()
+            labels[r, :n] = data["labels"][i].long()
+            mask[r, :n] = data["masks"][i]
+        yield ids, f, labels, mask
 
 
 def evaluate(model, data, idx, vocab_index, args) -> dict:
     model.eval()
     taus, n = [], 0
     with torch.no_grad():
-        for ids, f, lens in batches(data["seqs"], data["feats"], idx, args.batch_size, False, None):
-            _, correct = losses(model, ids, f, lens, vocab_index, args)
-            taus.append(expected_accept_length(correct) * len(lens))
-            n += len(lens)
+        for batch in batches(data, idx, args.batch_size, False, None):
+            _, correct = losses(model, batch, vocab_index, args)
+            taus.append(expected_accept_length(correct) * len(batch[0]))
+            n += len(batch[0])
     model.train()
     return {"heldout_tau": sum(taus) / max(n, 1)}
+
+
+def warm_start(model, folder: str) -> None:
+    """Continue training a saved head of the same layout (e.g. on more data)."""
+    from safetensors.torch import load_file
+
+    model.load_export({k: v.float() for k, v in load_file(str(Path(folder) / "model.safetensors")).items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,13 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     seqs = data["seqs"]
     target, cfg = load_target(EngineConfig(model_path=args.model_path), resolve_model(args.model_path),
                               single_rank_group(torch.device("cpu")), torch.float32)
-    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=cfg.vocab_size)
+    # FR-Spec: the draft vocabulary is what the draft must predict most often (labels inside assistant text)
+    counts = torch.bincount(torch.cat([lab[m].long() for lab, m in zip(data["labels"], data["masks"])]),
+                            minlength=cfg.vocab_size)
     k = args.draft_vocab or cfg.vocab_size
     draft_vocab = torch.sort(torch.topk(counts, k).indices).values
     vocab_index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     vocab_index[draft_vocab] = torch.arange(k)
     coverage = counts[draft_vocab].sum().item() / max(counts.sum().item(), 1)
-    model = TrainableEagle(target, draft_vocab)
+    model = TRAINABLE[args.kind](target, draft_vocab)
+    if args.init_from:
+        warm_start(model, args.init_from)
     idx = list(range(len(seqs)))
     rng.shuffle(idx)
     n_hold = max(1, int(len(idx) * args.holdout))
@@ -268,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total_steps, initial=step, desc="training", unit="step")
     t0 = time.time()
     while step < total_steps:
-        for ids, f, lens in batches(seqs, data["feats"], train, args.batch_size, True, rng):
-            loss, correct = losses(model, ids, f, lens, vocab_index, args)
+        for batch in batches(data, train, args.batch_size, True, rng):
+            loss, correct = losses(model, batch, vocab_index, args)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -289,40 +206,54 @@ def main(argv: list[str] | None = None) -> int:
     print(f"after {step} steps: held-out expected accept length {final['heldout_tau']:.3f}")
     save_head(model, cfg, draft_vocab, out, args, {
         "steps": step, "train_seconds": round(time.time() - t0, 1), "train_sequences": len(train),
-        "train_tokens": sum(len(seqs[i]) for i in train), "heldout_tau_before": round(start["heldout_tau"], 3),
+        "train_tokens": sum(len(seqs[i]) for i in train), "answers": data["answers"],
+        "conversations": data["conversations"], "heldout_tau_before": round(start["heldout_tau"], 3),
         "heldout_tau_after": round(final["heldout_tau"], 3), "draft_vocab_coverage": round(coverage, 4),
         "final_loss": round(log[-1]["loss"], 4) if log else None, "prompt_source": data["prompt_source"]})
     return 0
 
 
-def save_head(model: TrainableEagle, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
+def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
     from safetensors.torch import save_file
 
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_for_eagle().items()}
-    state["draft_vocab"] = draft_vocab.to(torch.int64)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {"architectures": ["LlamaForCausalLM"], "eagle_kind": "eagle", "hidden_size": cfg.hidden_size,
+    state = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in model.export().items()}
+    config = {"architectures": ["LlamaForCausalLM"], "eagle_kind": model.kind, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
               "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
-              "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size, "bias": True,
-              "draft_vocab_size": len(draft_vocab), "training": facts}
+              "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size, "draft_vocab_size": len(draft_vocab)}
+    if model.kind == "eagle":
+        state["draft_vocab"] = draft_vocab.to(torch.int64)
+        config["bias"] = True
+        layout = ("EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
+                  "target's LM head), restricted at draft time to")
+    else:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(default_aux_layers(cfg.num_layers))}
+        layout = ("EAGLE-3 layout (fc fusing target layers "
+                  f"{list(default_aux_layers(cfg.num_layers))}, a 2h-input decoder layer, its own LM head with d2t) "
+                  "over")
+    config["training"] = facts
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    cmd = (f"eaglegate train-draft --out {out.name} --prompts {args.prompts} --num-prompts {args.num_prompts} "
+    cmd = (f"eaglegate train-draft --kind {args.kind} --out {out.name} --prompts {args.prompts} "
+           f"--num-prompts {args.num_prompts} --conversations {args.conversations} "
            f"--max-new-tokens {args.max_new_tokens} --max-len {args.max_len} --epochs {args.epochs} "
-           f"--batch-size {args.batch_size} --lr {args.lr} --unroll {args.unroll} --draft-vocab {args.draft_vocab} "
-           f"--seed {args.seed}")
+           f"--batch-size {args.batch_size} --lr {args.lr} --ce-weight {args.ce_weight} --unroll {args.unroll} "
+           f"--draft-vocab {args.draft_vocab} --seed {args.seed}")
+    if args.init_from:
+        cmd += f" --init-from {args.init_from}"
     (out / "README.md").write_text(f"""# EAGLE head for {args.model_path}
 
-EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the target's LM head),
-restricted at draft time to the {len(draft_vocab)} most frequent tokens of the training data (FR-Spec;
-coverage {facts['draft_vocab_coverage']:.1%} of training tokens).
+{layout} the {len(draft_vocab)} most frequent target choices in the training data (FR-Spec;
+coverage {facts['draft_vocab_coverage']:.1%}).
 
-- Data: {facts['train_sequences']} training sequences ({facts['train_tokens']} tokens): prompts from
-  `{facts['prompt_source']}` answered greedily by the target itself (self-distillation). Never MT-bench.
+- Data: {facts['train_sequences']} training sequences ({facts['train_tokens']} tokens): {facts['answers']} prompts
+  from `{facts['prompt_source']}` answered greedily by the target itself (self-distillation) and
+  {facts['conversations']} ShareGPT conversations read by the target, teacher-forced. Labels are the target's own
+  greedy next tokens; only positions inside assistant text count. Never MT-bench.
 - Training: {facts['steps']} AdamW steps, training-time test depth {args.unroll}, {facts['train_seconds']} s on
   this machine's CPU.
-- Held-out expected accept length (tokens per verify step, chain, bonus included):
-  {facts['heldout_tau_before']} before training, {facts['heldout_tau_after']} after.
+- Held-out expected accept length (tokens per verify step, {args.unroll}-step chain, bonus included):
+  {facts['heldout_tau_before']} at the start, {facts['heldout_tau_after']} after.
 
 Reproduce: `{cmd}`
 """)

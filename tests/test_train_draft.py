@@ -6,14 +6,17 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from worker.config import EngineConfig, SpecConfig
 from worker.engine import Engine
 from worker.sampling import SamplingParams
 
 
-def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     out = tmp_path / "head"
-    cmd = [sys.executable, "-m", "server", "train-draft", "--out", str(out), "--prompts", "builtin",
+    cmd = [sys.executable, "-m", "server", "train-draft", "--kind", kind, "--out", str(out), "--prompts", "builtin",
            "--num-prompts", "8", "--max-new-tokens", "24", "--max-len", "96", "--epochs", "2", "--batch-size", "4",
            "--draft-vocab", "2048", "--checkpoint-every", "2", "--dtype", "float32"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -21,7 +24,7 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine):
     assert "held-out expected accept length" in r.stdout
     config = json.loads((out / "config.json").read_text())
     facts = config["training"]
-    assert facts["steps"] == 4 and config["draft_vocab_size"] == 2048
+    assert facts["steps"] == 4 and config["draft_vocab_size"] == 2048 and config["eagle_kind"] == kind
     assert (out / "model.safetensors").exists() and "Reproduce:" in (out / "README.md").read_text()
     # resumable: a second run with the checkpoint in place does no new steps and keeps the result
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
