@@ -57,6 +57,18 @@ class _TTTLayer(nn.Module):
         a = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask, enable_gqa=True)
         return F.linear(a.transpose(1, 2).reshape(B, T, q_size), self.o)
 
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor, unroll: int, noise: float) -> list[torch.Tensor]:
+        """ids [B,T] tokens, feats [B,T,*] target features -> each TTT step's output [B,T,h]."""
+        inp = self._first_input(feats, noise)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        for d in range(unroll):
+            tok = F.pad(ids[:, d + 1 :], (0, d + 1))  # x_{t+d+1}
+            inp = self._step(self.embed[tok], inp, d, keys, values)
+            outs.append(inp)  # the next step reads this step's prediction, as at inference
+        return outs
+
     def _mlp(self, x):
         g, u = F.linear(self._norm(x, self.post_norm), self.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, self.down)
@@ -103,18 +115,14 @@ class TrainableEagle(_TTTLayer):
         self.post_norm = _f32(src.post_attention_layernorm.weight)
         self.lm_sub = target.lm_head.weight.detach().float()[draft_vocab]
 
-    def forward(self, ids: torch.Tensor, feats: torch.Tensor, unroll: int, noise: float) -> list[torch.Tensor]:
-        """ids [B,T], feats [B,T,h] the target's final hidden states -> each step's predicted features."""
-        inp = feats + (torch.rand_like(feats) * 2 - 1) * noise if noise else feats
-        keys, values, outs = [], [], []
-        for d in range(unroll):
-            tok = F.pad(ids[:, d + 1 :], (0, d + 1))  # x_{t+d+1}
-            x = F.linear(torch.cat([self.embed[tok], inp], dim=-1), self.fc_w, self.fc_b)
-            x = x + self._attention(x, d, keys, values)
-            x = x + self._mlp(x)
-            outs.append(x)
-            inp = x
-        return outs
+    def _first_input(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
+        """feats: the target's final hidden states, with EAGLE's uniform training noise."""
+        return feats + (torch.rand_like(feats) * 2 - 1) * noise if noise else feats
+
+    def _step(self, embeds, inp, d: int, keys: list, values: list) -> torch.Tensor:
+        x = F.linear(torch.cat([embeds, inp], dim=-1), self.fc_w, self.fc_b)
+        x = x + self._attention(x, d, keys, values)
+        return x + self._mlp(x)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return F.linear(out, self.lm_sub)
@@ -151,18 +159,14 @@ class TrainableEagle3(_TTTLayer):
         self.lm_head = _f32(target.lm_head.weight[draft_vocab])
         self.draft_vocab = draft_vocab
 
-    def forward(self, ids: torch.Tensor, feats: torch.Tensor, unroll: int, noise: float) -> list[torch.Tensor]:
-        """ids [B,T], feats [B,T,3h] the target's low/mid/high residual streams -> each step's outputs."""
-        inp = F.linear(feats, self.fc_w)
-        keys, values, outs = [], [], []
-        for d in range(unroll):
-            tok = F.pad(ids[:, d + 1 :], (0, d + 1))
-            x = torch.cat([self._norm(self.embed[tok], self.in_norm), self._norm(inp, self.hid_norm)], dim=-1)
-            y = inp + self._attention(x, d, keys, values)
-            y = y + self._mlp(y)
-            outs.append(y)
-            inp = y
-        return outs
+    def _first_input(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
+        """feats: the target's low/mid/high residual streams [B,T,3h], fused to h."""
+        return F.linear(feats, self.fc_w)
+
+    def _step(self, embeds, inp, d: int, keys: list, values: list) -> torch.Tensor:
+        x = torch.cat([self._norm(embeds, self.in_norm), self._norm(inp, self.hid_norm)], dim=-1)
+        y = inp + self._attention(x, d, keys, values)
+        return y + self._mlp(y)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return F.linear(self._norm(out, self.norm), self.lm_head)
