@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
+from speculative.train_data import chat_ids
 from worker.config import EngineConfig, SpecConfig
 from worker.engine import Engine
 from worker.model_files import GGUF_NAME, eaglegate_home, fetch_default_model
@@ -84,8 +85,7 @@ def identity_check(draft: str, setting: tuple[int, int, int], questions: list[st
 
 
 def chat_prompt(tok, question: str) -> list[int]:
-    p = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
-    return p if isinstance(p, list) else p["input_ids"]
+    return chat_ids(tok, [{"role": "user", "content": question}], add_generation_prompt=True)
 
 
 def concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> float:

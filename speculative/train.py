@@ -227,9 +227,10 @@ def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
         layout = ("EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
                   "target's LM head), restricted at draft time to")
     else:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(default_aux_layers(cfg.num_layers))}
+        aux = list(default_aux_layers(cfg.num_layers))
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
         layout = ("EAGLE-3 layout (fc fusing target layers "
-                  f"{list(default_aux_layers(cfg.num_layers))}, a 2h-input decoder layer, its own LM head with d2t) "
+                  f"{aux}, a 2h-input decoder layer, its own LM head with d2t) "
                   "over")
     config["training"] = facts
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
