@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=None,
                     help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
     ap.add_argument("--concurrency", default="4,16")
+    ap.add_argument("--disable-batch-size", type=int, default=0,
+                    help="decode batches this large run plain steps (--speculative-disable-batch-size)")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--name", default="spec", help="results go to bench/out/NAME.json and NAME.png")
     ap.add_argument("--identity-check", type=int, default=5,
@@ -170,7 +172,8 @@ def main() -> None:
         tok = plain.tokenizer
         prompts = [chat_prompt(tok, q) for q in questions]
         for steps, topk, ndt in settings:
-            spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+            spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt,
+                                  disable_batch_size=args.disable_batch_size)
             with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
                 r = single_stream(plain, spec, prompts, args.max_tokens)
                 r["label"] = f"s{steps} k{topk} n{ndt}"

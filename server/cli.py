@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
     p.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
+    p.add_argument("--speculative-disable-batch-size", type=int, default=None,
+                   help="decode batches this large run without speculation (0: never; default: 4 for the "
+                        "default model's shipped head, else 0)")
     p.add_argument(
         "--rank-consistency-check-interval",
         type=int,

@@ -7,14 +7,16 @@ from pathlib import Path
 from worker.config import DEFAULT_MODEL, SpecConfig
 
 DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle"
-# the fastest tree for the shipped head on the 2-core CPU (bench/spec.py sweep: s4 k2 n6 1.04x plain decode;
-# deeper trees accept more, up to 1.82 tokens at s6 k4 n16, but their wider verify costs more than they gain)
+# the shipped head is EAGLE-3 (see its card). s4 k2 n6 is the fastest tree on the 2-core CPU: deeper trees accept
+# more (1.90 tokens at s5 k4 n12 vs 1.69) but their wider verify and longer draft cost more than they gain there
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 4, 2, 6
+# decode batches of 4+ fill the CPU already: speculation ran at 0.88x / 0.67x plain at concurrency 4 / 16
+DEFAULT_DISABLE_BATCH_SIZE = 4
 
 
 def default_spec_config() -> SpecConfig:
     return SpecConfig("EAGLE", str(DEFAULT_HEAD), num_steps=DEFAULT_STEPS, eagle_topk=DEFAULT_TOPK,
-                      num_draft_tokens=DEFAULT_DRAFT_TOKENS)
+                      num_draft_tokens=DEFAULT_DRAFT_TOKENS, disable_batch_size=DEFAULT_DISABLE_BATCH_SIZE)
 
 
 def resolve_spec_config(args) -> SpecConfig:
@@ -30,7 +32,9 @@ def resolve_spec_config(args) -> SpecConfig:
                               eagle_topk=args.speculative_eagle_topk or d.eagle_topk,
                               num_draft_tokens=args.speculative_num_draft_tokens or d.num_draft_tokens,
                               accept_threshold_single=args.speculative_accept_threshold_single,
-                              accept_threshold_acc=args.speculative_accept_threshold_acc)
+                              accept_threshold_acc=args.speculative_accept_threshold_acc,
+                              disable_batch_size=d.disable_batch_size if args.speculative_disable_batch_size is None
+                              else args.speculative_disable_batch_size)
     algo = algo.upper()
     if algo == "NONE":
         return SpecConfig()
@@ -43,4 +47,5 @@ def resolve_spec_config(args) -> SpecConfig:
     return SpecConfig(algorithm=algo, draft_model_path=path, num_steps=steps,
                       eagle_topk=topk, num_draft_tokens=draft,
                       accept_threshold_single=args.speculative_accept_threshold_single,
-                      accept_threshold_acc=args.speculative_accept_threshold_acc)
+                      accept_threshold_acc=args.speculative_accept_threshold_acc,
+                      disable_batch_size=args.speculative_disable_batch_size or 0)

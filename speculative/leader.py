@@ -175,10 +175,11 @@ class SpecLeader(Leader):
         batch = self.scheduler.schedule(self.reserve)
         if not batch:
             return
-        if all(self._decoding(item) for item in batch):
+        limit = self.config.spec.disable_batch_size
+        if all(self._decoding(item) for item in batch) and not (limit and len(batch) >= limit):
             self.spec_step([item.seq for item in batch])
-        else:
-            self.plain_step(batch)  # prefill chunks (decodes ride along); the draft catches up next time
+        else:  # prefill chunks (decodes ride along) or a batch too large to gain; the draft catches up next time
+            self.plain_step(batch)
 
     @staticmethod
     def _decoding(item: ScheduledSeq) -> bool:

@@ -25,6 +25,8 @@ def _cli(*argv: str) -> argparse.Namespace:
 def test_default_model_serves_with_the_shipped_head_by_default():
     spec = resolve_spec_config(_cli())
     assert spec.algorithm == "EAGLE" and spec.draft_model_path == str(DEFAULT_HEAD)
+    assert spec.disable_batch_size == 4  # large decode batches decode plainly unless told otherwise
+    assert resolve_spec_config(_cli("--speculative-disable-batch-size", "0")).disable_batch_size == 0
     assert (DEFAULT_HEAD / "model.safetensors").exists() and (DEFAULT_HEAD / "README.md").exists()
     assert resolve_spec_config(_cli("--speculative-algorithm", "NONE")).algorithm == "NONE"
     assert resolve_spec_config(_cli("--model-path", "/some/other/model")).algorithm == "NONE"
@@ -35,7 +37,7 @@ def test_shipped_head_accepts_more_than_one_and_a_half_tokens_per_step(smol_engi
     params = SamplingParams(max_new_tokens=64, temperature=0)
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
     # the head's quality on a fixed 5-step, top-4, 12-token tree (a random head accepts ~1.0 here); the served
-    # default is the smaller s4 k2 n6 tree, faster on CPU but with a lower accept length (~1.5-1.6)
+    # default is the smaller s4 k2 n6 tree, faster on CPU but with a lower accept length (~1.7)
     spec = resolve_spec_config(_cli("--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
                                     "--speculative-num-draft-tokens", "12"))
     assert spec.draft_model_path == str(DEFAULT_HEAD)
@@ -45,3 +47,20 @@ def test_shipped_head_accepts_more_than_one_and_a_half_tokens_per_step(smol_engi
     assert out == ref
     print(f"shipped head: accept length {stats['spec_accept_length_mean']:.2f} tokens per verify step")
     assert stats["spec_accept_length_mean"] > 1.5
+
+
+def test_large_decode_batches_skip_speculation_when_asked(smol_engine):
+    """--speculative-disable-batch-size: a batch at the limit decodes plainly (same output), a lone request drafts."""
+    prompts = [smol_engine.encode(chat(smol_engine, q)) for q in QUESTIONS]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)  # the batch stays whole
+    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
+    spec = resolve_spec_config(_cli("--speculative-disable-batch-size", "2"))
+    assert spec.disable_batch_size == 2
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
+        out = [r.token_ids for r in eng.generate(prompts, params)]
+        batched_steps = eng.stats.values["spec_verify_steps"]
+        alone = eng.generate([prompts[0]], params)[0].token_ids
+        alone_steps = eng.stats.values["spec_verify_steps"]
+    assert out == ref and alone == ref[0]
+    assert batched_steps == 0
+    assert alone_steps > 0

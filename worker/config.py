@@ -19,6 +19,9 @@ class SpecConfig:
     num_draft_tokens: int = 5
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
+    # decode batches of this many sequences or more run plain steps (0: never), where a wider verify costs more
+    # than speculation saves (vLLM's disable_by_batch_size)
+    disable_batch_size: int = 0
 
     @property
     def enabled(self) -> bool:
