@@ -1,0 +1,66 @@
+"""Per-step profile of speculative decoding: accept length, tokens/s and where a step's time goes (draft, verify,
+decide), for one draft head on a few MT-bench first turns and several trees, against plain decode in one run.
+
+    .venv/bin/python bench/spec_profile.py [--draft HEAD] [--questions 5] [--max-tokens 96] 4,2,6 5,4,12 4,1,5
+
+The card's head comparisons use these defaults (MT-bench questions 2-6, 96 tokens, bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from spec import chat_prompt, mtbench_first_turns
+
+from speculative.defaults import DEFAULT_HEAD
+from worker.config import EngineConfig, SpecConfig
+from worker.engine import Engine
+from worker.protocol import StepReport
+from worker.sampling import SamplingParams
+
+
+def timed_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                 after_warmup=lambda: None) -> tuple[int, float]:
+    engine.generate([prompts[0]], params)  # warm-up
+    after_warmup()
+    t0 = time.perf_counter()
+    n = sum(len(engine.generate([p], params)[0].token_ids) for p in prompts)
+    return n, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("settings", nargs="+", help="trees as steps,topk,num_draft_tokens")
+    ap.add_argument("--draft", default=str(DEFAULT_HEAD))
+    ap.add_argument("--questions", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    args = ap.parse_args()
+    questions = mtbench_first_turns(args.questions + 1)[1:]
+    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
+    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=8192)) as plain:
+        prompts = [chat_prompt(plain.tokenizer, q) for q in questions]
+        n, dt = timed_tokens(plain, prompts, params)
+    plain_tps = n / dt
+    print(f"plain: {plain_tps:.1f} tok/s, {1000 * dt / n:.2f} ms/token")
+    for setting in args.settings:
+        steps, topk, ndt = map(int, setting.split(","))
+        rec: dict[str, list[float]] = {}
+
+        def on_step(report: StepReport, rec=rec) -> None:
+            for key, values in report.step_metrics.items():
+                if key == "accept_lengths" or (key.startswith("spec_") and key.endswith("_seconds")):
+                    rec.setdefault(key, []).extend(values)
+
+        cfg = SpecConfig("EAGLE", args.draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+        with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=8192, spec=cfg), on_step=on_step) as eng:
+            n, dt = timed_tokens(eng, prompts, params, after_warmup=rec.clear)
+        phases = " ".join(f"{k[5:-8]} {1000 * statistics.mean(v):.2f}" for k, v in rec.items() if k.endswith("seconds"))
+        print(f"s{steps}k{topk}n{ndt}: {n / dt:.1f} tok/s ({n / dt / plain_tps:.2f}x) accept length "
+              f"{statistics.mean(rec['accept_lengths']):.2f}, step {1000 * dt / len(rec['accept_lengths']):.2f} ms = "
+              f"{phases}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
