@@ -73,10 +73,21 @@ def single_stream(plain: Engine, spec: Engine, prompts: list[list[int]], max_tok
             "n": len(prompts), "tokens": n_plain}
 
 
+def parse_setting(text: str) -> tuple[int, int, int]:
+    """'steps,topk,num_draft_tokens' -> a tree setting."""
+    steps, topk, ndt = map(int, text.split(","))
+    return steps, topk, ndt
+
+
+def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: int = 0) -> SpecConfig:
+    steps, topk, ndt = setting
+    return SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt,
+                      disable_batch_size=disable_batch_size)
+
+
 def identity_check(draft: str, setting: tuple[int, int, int], questions: list[str], max_tokens: int) -> dict:
     """Speculative greedy output against plain greedy output in float32, where both are exact."""
-    steps, topk, ndt = setting
-    spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+    spec_cfg = spec_config(draft, setting)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=SpecConfig())) as plain, \
             Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec_cfg)) as spec:
         prompts = [chat_prompt(plain.tokenizer, q) for q in questions]
@@ -164,7 +175,7 @@ def main() -> None:
     fetch_default_model(quiet=True)
     questions = mtbench_first_turns(args.limit)
     default = default_spec_config()
-    settings = [tuple(map(int, s.split(","))) for s in args.settings] if args.settings else [
+    settings = [parse_setting(s) for s in args.settings] if args.settings else [
         (default.num_steps, default.eagle_topk, default.num_draft_tokens)]
     draft = args.draft or str(DEFAULT_HEAD)
     results: dict = {"settings": [], "concurrency": {}, "limit": args.limit, "max_tokens": args.max_tokens}
@@ -172,8 +183,7 @@ def main() -> None:
         tok = plain.tokenizer
         prompts = [chat_prompt(tok, q) for q in questions]
         for steps, topk, ndt in settings:
-            spec_cfg = SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt,
-                                  disable_batch_size=args.disable_batch_size)
+            spec_cfg = spec_config(draft, (steps, topk, ndt), args.disable_batch_size)
             with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
                 r = single_stream(plain, spec, prompts, args.max_tokens)
                 r["label"] = f"s{steps} k{topk} n{ndt}"

@@ -12,10 +12,10 @@ import argparse
 import statistics
 import time
 
-from spec import chat_prompt, mtbench_first_turns
+from spec import chat_prompt, mtbench_first_turns, parse_setting, spec_config
 
 from speculative.defaults import DEFAULT_HEAD
-from worker.config import EngineConfig, SpecConfig
+from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.protocol import StepReport
 from worker.sampling import SamplingParams
@@ -45,7 +45,7 @@ def main() -> None:
     plain_tps = n / dt
     print(f"plain: {plain_tps:.1f} tok/s, {1000 * dt / n:.2f} ms/token")
     for setting in args.settings:
-        steps, topk, ndt = map(int, setting.split(","))
+        steps, topk, ndt = parse_setting(setting)
         rec: dict[str, list[float]] = {}
 
         def on_step(report: StepReport, rec=rec) -> None:
@@ -53,7 +53,7 @@ def main() -> None:
                 if key == "accept_lengths" or (key.startswith("spec_") and key.endswith("_seconds")):
                     rec.setdefault(key, []).extend(values)
 
-        cfg = SpecConfig("EAGLE", args.draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+        cfg = spec_config(args.draft, (steps, topk, ndt))
         with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=8192, spec=cfg), on_step=on_step) as eng:
             n, dt = timed_tokens(eng, prompts, params, after_warmup=rec.clear)
         phases = " ".join(f"{k[5:-8]} {1000 * statistics.mean(v):.2f}" for k, v in rec.items() if k.endswith("seconds"))
