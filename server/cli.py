@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weights: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks (K-quants requantized to int4) on "
+                        "CPU in bfloat16; int4/int8 quantize any checkpoint at load; none keeps dense weights")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument(
         "--mem-fraction-static",
@@ -74,6 +77,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tp_size=args.tp_size,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         max_total_tokens=args.max_total_tokens,
         mem_fraction=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,

@@ -46,6 +46,32 @@ class AttentionMetadata:
     batch: int
     max_q: int
     dense_q: bool  # queries already laid out [B, T] with no padding: skip the pad/unpad gathers
+    row_kv_slots: torch.Tensor | None = None  # [N, Lr] each query row's own keys, in order, padded at the end
+    row_bias: torch.Tensor | None = None  # [N, 1, Lr] float: 0 for real keys, -inf for padding
+
+
+# Row-wise attention (decode, verify, short chunks): each query row attends over a gather of exactly its own keys,
+# in position order, padded at the end to a multiple of ROW_KEY_BUCKET, through batched matmuls whose per-row
+# arithmetic does not depend on the batch (torch's CPU SDPA does: it splits work by batch size). A row's result then
+# depends only on its own keys, so a token verified inside an EAGLE tree gets the same bits as the same token
+# decoded alone, and a request's output does not depend on the batch it shares.
+ROW_WISE_MAX_Q = 16
+ROW_KEY_BUCKET = 64
+
+
+def _row_keys(mask: torch.Tensor, kv_slots: torch.Tensor, q_valid: torch.Tensor):
+    """mask [B, T, L] -> (slots [N, Lr], valid [N, Lr]) for the N real query rows."""
+    m = mask[q_valid]  # [N, L]
+    slots = kv_slots.unsqueeze(1).expand(mask.shape)[q_valid]
+    counts = m.sum(-1)
+    width = -(-int(counts.max()) // ROW_KEY_BUCKET) * ROW_KEY_BUCKET
+    if width > m.shape[1]:
+        pad = width - m.shape[1]
+        m = torch.nn.functional.pad(m, (0, pad))
+        slots = torch.nn.functional.pad(slots, (0, pad))
+    order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)[:, :width]  # real keys first, in order
+    valid = torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.where(valid, slots.gather(1, order), torch.zeros_like(order)), valid
 
 
 def slots_of(block_table: list[int], positions, block_size: int) -> list[int]:
@@ -77,7 +103,8 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
     slot_mapping = kv_slots.gather(1, qpos.clamp(max=L - 1))[q_valid]
 
     trees = [i for i, s in enumerate(seqs) if s.tree is not None]
-    if T == 1 and not trees and bool((kv_lens == L).all()):
+    rows = T <= ROW_WISE_MAX_Q
+    if T == 1 and not trees and bool((kv_lens == L).all()) and not rows:
         mask = None  # pure decode of equal lengths: nothing to hide
     else:
         mask = (kpos.view(1, 1, L) <= qpos.unsqueeze(2)) & key_valid.unsqueeze(1)  # causal within each row
@@ -92,6 +119,7 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
                 mask[i, : s.q_len, c : c + e] = s.tree.mask
                 mask[i, :, c + e :] = False
                 slot_mapping[offsets[i] : offsets[i] + s.q_len] = torch.tensor(s.tree.write_slots, dtype=torch.long)
+        row_slots, row_valid = _row_keys(mask, kv_slots, q_valid) if rows else (None, None)
         mask[:, :, 0] |= ~q_valid  # padded query rows see one key, keeping softmax finite
         mask = mask.unsqueeze(1)
     return AttentionMetadata(
@@ -103,6 +131,9 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
         batch=B,
         max_q=T,
         dense_q=bool((q_lens == T).all()),
+        row_kv_slots=None if not rows else row_slots.to(device),
+        row_bias=None if not rows else torch.zeros(row_valid.shape).masked_fill(~row_valid, float("-inf"))
+        .unsqueeze(1).to(device),
     )
 
 
@@ -112,6 +143,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     dtype = q.dtype
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if meta.row_kv_slots is not None:
+        return _attend_rows(q, k_cache, v_cache, meta, scale).to(dtype)
     B, T = meta.batch, meta.max_q
     H, D = q.shape[1], q.shape[2]
     q = q.to(k_cache.dtype)
@@ -124,3 +157,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     out = out.transpose(1, 2).reshape(B * T, H, D)
     out = out if meta.dense_q else out.index_select(0, meta.out_index)
     return out.to(dtype)
+
+
+def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+    N, H, D = q.shape
+    width = meta.row_kv_slots.shape[1]
+    hkv = k_cache.shape[1]
+    flat = meta.row_kv_slots.view(-1)
+    kp = k_cache.index_select(0, flat).view(N, width, hkv, D).transpose(1, 2).reshape(N * hkv, width, D)
+    vp = v_cache.index_select(0, flat).view(N, width, hkv, D).transpose(1, 2).reshape(N * hkv, width, D)
+    qp = q.to(k_cache.dtype).view(N * hkv, H // hkv, D)  # query heads grouped by the KV head they share
+    bias = meta.row_bias.unsqueeze(1).expand(N, hkv, 1, width).reshape(N * hkv, 1, width)
+    scores = torch.baddbmm(bias, qp, kp.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), vp).view(N, H, D)

@@ -38,6 +38,7 @@ class EngineConfig:
     tp_size: int = 1
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
+    quantization: str = "auto"  # auto | none | int8 | int4 (worker/quant.py)
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of free memory given to the KV pool when max_total_tokens is None
     block_size: int = 16
@@ -70,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use auto, none, int8 or int4")
         if self.block_size < 1 or self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("block_size, chunked_prefill_size and max_running_requests must be >= 1")
         if self.debug_skip_decision_broadcast and not self.debug_rank_logit_noise:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dist import TPGroup
+from .quant import Int4Weight, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -18,22 +19,77 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
     return p
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
-    """F.linear, or oneDNN's prepacked kernel when the weight was packed (CPU bfloat16: ~2x faster, same bits)."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
+    """The module's weight through the fastest kernel it was prepared for: groupwise int4 (quantized), oneDNN's
+    prepacked bfloat16 (CPU: ~2x F.linear, same bits), or F.linear."""
+    if mod.qweight is not None:
+        return int4_linear(x, mod.qweight, mod.bias)
+    if mod.packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), mod.packed, mod.bias, "none", [], "")
+    return F.linear(x, mod.weight, mod.bias)
+
+
+def _init_linear(mod: nn.Module) -> None:
+    mod.packed: torch.Tensor | None = None
+    mod.qweight: Int4Weight | None = None
+    mod.qparts: list[tuple[int, QTensor]] = []  # quantized checkpoint pieces by first row, until quantize_linears
+
+
+def _store(mod: nn.Module, param: nn.Parameter, offset: int, piece) -> None:
+    """Write a checkpoint piece into rows offset.. of param; a quantized piece is also kept whole for packing."""
+    if isinstance(piece, QTensor):
+        mod.qparts.append((offset, piece))
+        piece = piece.dequantize()
+    param.data[offset : offset + piece.shape[0]].copy_(piece)
+
+
+def _rows(w, start: int, stop: int):
+    return w.rows(slice(start, stop)) if isinstance(w, QTensor) else w[start:stop]
+
+
+def _cols(w, start: int, stop: int):
+    return w.cols(start, stop) if isinstance(w, QTensor) else w[:, start:stop]
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Prepack every linear weight for oneDNN on CPU in bfloat16. Returns how many were packed."""
+    """Prepack every dense linear weight for oneDNN on CPU in bfloat16. Returns how many were packed."""
     n = 0
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         if not hasattr(mod, "packed") or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
+        if mod.qweight is not None:
+            continue
         mod.packed = torch.ops.mkldnn._reorder_linear_weight(w.data, 1)
         n += 1
+    return n
+
+
+def quantize_linears(model: nn.Module, bits: int | None, dtype: torch.dtype) -> int:
+    """Pack each linear for the int4 kernel: from the checkpoint's own quantized pieces where they cover the whole
+    weight, else round-to-nearest at `bits` (None: leave dense weights dense). Frees the dense copy. Returns how
+    many linears were quantized."""
+    n = 0
+    for mod in list(model.modules()):
+        if not hasattr(mod, "qweight"):
+            continue
+        tied = getattr(mod, "tied_to", None)
+        parts = sorted((tied[0] if tied else mod).qparts, key=lambda p: p[0])
+        rows = mod.weight.shape[0]
+        if parts and sum(p.shape[0] for _, p in parts) == rows:
+            qt = cat_rows([p for _, p in parts])
+        elif bits or parts:  # asked for, or a fused weight whose file quantized only some of its parts
+            qt = quantize_rtn(mod.weight.data, bits or 8)
+        else:
+            continue
+        mod.qweight = pack(qt, dtype)
+        mod.packed = None
+        if not tied:  # a tied head's weight is the embedding table, which lookups still need
+            mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
+        n += 1
+    for mod in model.modules():
+        if hasattr(mod, "qparts"):
+            mod.qparts = []
     return n
 
 
@@ -58,14 +114,15 @@ class RowParallelLinear(nn.Module):
         self.tp, self.in_features, self.out_features = tp, in_features, out_features
         self.in_local = in_features // tp.size
         self.weight = _param((out_features, self.in_local), dtype, self._load)
-        self.packed: torch.Tensor | None = None
+        self.bias = None
+        _init_linear(self)
 
     def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
         _check_shape("row-parallel weight", w.shape, (self.out_features, self.in_features))
-        param.data.copy_(w[:, self.tp.rank * self.in_local : (self.tp.rank + 1) * self.in_local])
+        _store(self, param, 0, _cols(w, self.tp.rank * self.in_local, (self.tp.rank + 1) * self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+        return self.tp.all_reduce(linear(x, self))
 
 
 class ReplicatedLinear(nn.Module):
@@ -76,14 +133,14 @@ class ReplicatedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param((out_features, in_features), dtype, self._load)
         self.bias = _param((out_features,), dtype, self._load) if bias else None
-        self.packed: torch.Tensor | None = None
+        _init_linear(self)
 
     def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
         _check_shape("replicated linear", w.shape, tuple(param.shape))
-        param.data.copy_(w)
+        _store(self, param, 0, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self)
 
 
 class QKVParallelLinear(nn.Module):
@@ -101,7 +158,7 @@ class QKVParallelLinear(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.weight = _param((out, hidden), dtype, self._load)
         self.bias = _param((out,), dtype, self._load) if bias else None
-        self.packed: torch.Tensor | None = None
+        _init_linear(self)
 
     def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id: str) -> None:
         d = self.head_dim
@@ -111,10 +168,10 @@ class QKVParallelLinear(nn.Module):
             total, start, n = self.num_kv_heads, self.kv_start, self.kv_local
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
         _check_shape(f"{shard_id}_proj", w.shape, (total * d, *param.shape[1:]))
-        param.data[offset : offset + n * d].copy_(w[start * d : (start + n) * d])
+        _store(self, param, offset, _rows(w, start * d, (start + n) * d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -125,24 +182,28 @@ class MergedColumnParallelLinear(nn.Module):
         self.tp, self.in_features, self.out_sizes = tp, in_features, out_sizes
         self.local_sizes = [s // tp.size for s in out_sizes]
         self.weight = _param((sum(self.local_sizes), in_features), dtype, self._load)
-        self.packed: torch.Tensor | None = None
+        self.bias = None
+        _init_linear(self)
 
     def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id: int) -> None:
         _check_shape(f"merged shard {shard_id}", w.shape, (self.out_sizes[shard_id], self.in_features))
         n = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
-        param.data[offset : offset + n].copy_(w[self.tp.rank * n : (self.tp.rank + 1) * n])
+        _store(self, param, offset, _rows(w, self.tp.rank * n, (self.tp.rank + 1) * n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed)
+        return linear(x, self)
 
 
 def _load_vocab_rows(mod, param: nn.Parameter, w: torch.Tensor) -> None:
     """Keep this rank's range of vocabulary rows, zero-padding the last range."""
     _check_shape("vocabulary matrix", w.shape, (mod.vocab_size, mod.hidden))
-    part = w[mod.start : mod.start + mod.rows]
+    part = _rows(w, mod.start, mod.start + mod.rows)
     param.data.zero_()
-    param.data[: part.shape[0]].copy_(part)
+    _store(mod, param, 0, part)
+    pad = mod.rows - part.shape[0]
+    if pad and isinstance(part, QTensor):
+        mod.qparts.append((part.shape[0], zero_rows(pad, mod.hidden, part.bits)))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -154,6 +215,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = math.ceil(vocab_size / tp.size)
         self.start = tp.rank * self.rows
         self.weight = _param((self.rows, hidden), dtype, self._load)
+        self.qparts: list[tuple[int, QTensor]] = []  # a tied LM head packs these
 
     def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id=None) -> None:
         _load_vocab_rows(self, param, w)
@@ -177,14 +239,16 @@ class ParallelLMHead(nn.Module):
         self.tp, self.vocab_size, self.hidden = tp, vocab_size, hidden
         self.rows = math.ceil(vocab_size / tp.size)
         self.start = tp.rank * self.rows
+        self.tied_to = [tied_to] if tied_to is not None else None  # a list: the table is not this module's child
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = _param((self.rows, hidden), dtype, lambda p, w, s=None: _load_vocab_rows(self, p, w))
-        self.packed: torch.Tensor | None = None
+        self.bias = None
+        _init_linear(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed)
+        logits = linear(hidden, self)
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 

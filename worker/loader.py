@@ -6,10 +6,11 @@ import torch
 
 from .config import EngineConfig
 from .dist import TPGroup
-from .layers import pack_cpu_linears
+from .layers import pack_cpu_linears, quantize_linears
 from .model import CausalLM
 from .model_config import ModelConfig, load_model_config
 from .model_files import ModelLoadError, ModelSource
+from .quant import resolve_quantization
 from .weights import iter_checkpoint, load_weights
 
 
@@ -44,9 +45,12 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     check_tp_divisibility(cfg, tp.size)
     max_pos = config.max_model_len or cfg.max_position_embeddings
     model = CausalLM(cfg, tp, dtype, max_pos)
+    method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
     ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
-    load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress), ignore)
+    load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress, method), ignore)
     model = model.to(tp.device).eval()
+    if method != "none":
+        quantize_linears(model, {"int4": 4, "int8": 8}.get(method), dtype)
     if dtype == torch.bfloat16 and tp.device.type == "cpu" and torch.backends.mkldnn.is_available():
         pack_cpu_linears(model)
     return model, cfg

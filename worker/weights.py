@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from .model_config import ModelConfig
 from .model_files import ModelLoadError, ModelSource
+from .quant import GGUF_EXACT, GGUF_REQUANT, GGUF_SUPPORTED, QTensor, gguf_blocks, quantize_rtn
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -47,7 +48,31 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf(path: Path, cfg: ModelConfig, show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _rope_rows(n_rows: int, n_heads: int) -> torch.Tensor:
+    """The row order _unpermute_rope produces, to apply the same permutation to quantized rows."""
+    return _unpermute_rope(torch.arange(n_rows).unsqueeze(1), n_heads).squeeze(1)
+
+
+def gguf_tensor(t, method: str) -> torch.Tensor | QTensor:
+    """One GGUF tensor as the load method wants it: the file's own blocks (Q4_0, Q4_1, Q8_0 under `gguf`, or when
+    their width matches int4/int8), K-quants requantized to int4/int8 groups (`gguf`), else dense float32."""
+    import gguf
+
+    kind = t.tensor_type.name
+    if kind not in GGUF_SUPPORTED:
+        raise ModelLoadError(f"GGUF tensor {t.name} has type {kind}, which eaglegate cannot load; supported types: "
+                             f"{', '.join(GGUF_SUPPORTED)} (convert the file with llama.cpp's llama-quantize)")
+    bits = {"int4": 4, "int8": 8}.get(method)
+    if kind in GGUF_EXACT and (method == "gguf" or GGUF_EXACT[kind] == bits):
+        return gguf_blocks(np.asarray(t.data), kind, (int(t.shape[1]), int(t.shape[0])))
+    w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+    if method == "gguf" and kind in GGUF_REQUANT and w.dim() == 2:
+        return quantize_rtn(w, GGUF_REQUANT[kind])
+    return w
+
+
+def iter_gguf(path: Path, cfg: ModelConfig, show_progress: bool,
+              method: str = "none") -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     import gguf
 
     try:
@@ -61,12 +86,10 @@ def iter_gguf(path: Path, cfg: ModelConfig, show_progress: bool) -> Iterator[tup
                 continue
             yield t.name, torch.empty(0)  # reported as leftover
             continue
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
-        if cfg.architecture in ("llama", "mistral"):
-            if name.endswith("q_proj.weight"):
-                w = _unpermute_rope(w, cfg.num_heads)
-            elif name.endswith("k_proj.weight"):
-                w = _unpermute_rope(w, cfg.num_kv_heads)
+        w = gguf_tensor(t, method)
+        heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+        if cfg.architecture in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = w.rows(_rope_rows(w.shape[0], heads)) if isinstance(w, QTensor) else _unpermute_rope(w, heads)
         yield name, w
 
 
@@ -94,9 +117,10 @@ def iter_safetensors(folder: Path, show_progress: bool) -> Iterator[tuple[str, t
             raise ModelLoadError(f"cannot read {folder / fname} (truncated or corrupt?): {e}") from e
 
 
-def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
+                    method: str = "none") -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     if source.kind == "gguf":
-        return iter_gguf(source.path, cfg, show_progress)
+        return iter_gguf(source.path, cfg, show_progress, method)
     return iter_safetensors(source.path, show_progress)
 
 

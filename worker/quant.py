@@ -1,0 +1,180 @@
+"""Groupwise weight quantization: GGUF blocks kept as they are, round-to-nearest for dense checkpoints, and one
+CPU kernel (`aten._weight_int4pack_mm_for_cpu`) that runs both 4-bit and 8-bit weights.
+
+A quantized weight travels through loading as a `QTensor` (codes, per-group scale and offset), so every rank
+slices it exactly as it slices a dense weight. After loading, `pack` turns it into the kernel's layout. 8-bit codes
+run as two 4-bit planes side by side (q = 16*hi + lo), which keeps Q8_0 exact on the same kernel.
+
+Why this kernel: measured on the 2-core AVX-512 machine (bench/kernels.py, `bench/out/kernels.json`), all 121
+linears of one SmolLM2 step take ~5 ms in int4 against ~15 ms in packed bfloat16 for up to 4 rows, and the kernel
+computes every row on its own, so a row's result does not depend on how many rows run with it: verify (T = tree
+size) and decode (T = 1) give the same bits, which keeps speculation lossless in bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32  # GGUF's block size, and the kernel's group size
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+# GGUF tensor types by how they load. Kept exactly: blocks of 32 map onto the kernel's groups bit for bit.
+GGUF_EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# Requantized at load (round-to-nearest, groups of 32) to this many bits; dense under --quantization none.
+GGUF_REQUANT = {"Q4_K": 4, "Q5_K": 4, "Q5_0": 4, "Q5_1": 4, "Q2_K": 4, "Q3_K": 4, "Q6_K": 8}
+GGUF_DENSE = ("F32", "F16", "BF16")
+GGUF_SUPPORTED = (*GGUF_DENSE, *GGUF_EXACT, *GGUF_REQUANT)
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A [N, K] weight as w = q * scale + offset per group of GROUP columns.
+
+    bits 4: q in 0..15 (uint8); bits 8: q in -128..127 (int8). scale and offset are float32 [N, K // GROUP].
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def rows(self, index) -> QTensor:
+        """A row slice or an index tensor of rows: what column-parallel and vocabulary shards take."""
+        return QTensor(self.q[index], self.scale[index], self.offset[index], self.bits)
+
+    def cols(self, start: int, stop: int) -> QTensor:
+        """A column range (row-parallel shards); it must fall on group boundaries."""
+        if start % GROUP or stop % GROUP:
+            raise ValueError(f"a shard of columns {start}:{stop} splits a quantization group of {GROUP}; "
+                             "choose a tp size that divides the input dimension into multiples of 32")
+        g0, g1 = start // GROUP, stop // GROUP
+        return QTensor(self.q[:, start:stop], self.scale[:, g0:g1], self.offset[:, g0:g1], self.bits)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        q = self.q.view(n, k // GROUP, GROUP).float()
+        return (q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).view(n, k)
+
+
+def cat_rows(parts: list[QTensor]) -> QTensor:
+    """Stack row pieces; where widths differ (Q4_K q/k beside a Q6_K v), 4-bit codes widen to 8 bits exactly."""
+    bits = max(p.bits for p in parts)
+    q = [p.q.to(torch.int8) if p.bits < bits else p.q for p in parts]
+    return QTensor(torch.cat(q), torch.cat([p.scale for p in parts]), torch.cat([p.offset for p in parts]), bits)
+
+
+def zero_rows(n: int, k: int, bits: int) -> QTensor:
+    """Padding rows (the last vocabulary shard) that dequantize to zero."""
+    dtype = torch.uint8 if bits == 4 else torch.int8
+    z = torch.zeros(n, k // GROUP)
+    return QTensor(torch.zeros(n, k, dtype=dtype), z, z.clone(), bits)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int) -> QTensor:
+    """Round-to-nearest per group of 32: asymmetric min/max for 4 bits (as GGUF Q4_1), symmetric for 8 (Q8_0)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"input dimension {k} is not a multiple of the quantization group {GROUP}")
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        q = ((g - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        return QTensor(q.view(n, k), scale, lo, 4)
+    if bits == 8:
+        scale = g.abs().amax(-1) / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        q = (g * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        return QTensor(q.view(n, k), scale, torch.zeros_like(scale), 8)
+    raise ValueError(f"unsupported bit width {bits}")
+
+
+def _f16(raw: np.ndarray, start: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw[:, :, start : start + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QTensor:
+    """Q4_0, Q4_1 or Q8_0 blocks of a [N, K] tensor (raw uint8 rows from gguf's reader) as a QTensor, unchanged."""
+    n, k = shape
+    nb = k // GROUP
+    blocks = raw.reshape(n, nb, -1)
+    if type_name == "Q8_0":
+        d = _f16(blocks, 0)
+        q = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:34]).view(np.int8)).reshape(n, k)
+        return QTensor(q, d, torch.zeros_like(d), 8)
+    d = _f16(blocks, 0)
+    body = 2 if type_name == "Q4_0" else 4
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, body : body + 16]))  # byte j: elements j (low), j+16
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+    offset = -8 * d if type_name == "Q4_0" else _f16(blocks, 2)
+    return QTensor(q, d, offset, 4)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A weight in the CPU int4 kernel's layout: `planes` 4-bit planes side by side along K."""
+
+    packed: torch.Tensor  # uint8, the kernel's own layout
+    scale_zero: torch.Tensor  # [planes * K / GROUP, N, 2] in the activation dtype
+    planes: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zero.nbytes
+
+
+def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+    """The kernel computes (u - 8) * s + z for a 4-bit code u. 4 bits: u = q, z = offset + 8s. 8 bits: two planes,
+    hi = q >> 4 in -8..7 as u = hi + 8 with s = 16d, z = offset, and lo = q & 15 with s = d, z = 8d."""
+    n, k = qt.shape
+    if qt.bits == 4:
+        codes, scales, zeros = [qt.q], [qt.scale], [qt.offset + 8 * qt.scale]
+    else:
+        q = qt.q.to(torch.int16)
+        codes = [(q >> 4) + 8, q & 15]
+        scales = [16 * qt.scale, qt.scale]
+        zeros = [qt.offset, 8 * qt.scale]
+    codes_all = torch.cat([c.to(torch.int32) for c in codes], dim=1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_all.contiguous(), 1)
+    sz = torch.stack([torch.cat(scales, dim=1), torch.cat(zeros, dim=1)], dim=-1)  # [N, planes*K/G, 2]
+    return Int4Weight(packed, sz.transpose(0, 1).contiguous().to(dtype), len(codes), n, k)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if w.planes == 2:
+        x2 = torch.cat([x2, x2], dim=-1)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, GROUP, w.scale_zero)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], w.out_features)
+
+
+def resolve_quantization(method: str, dtype: torch.dtype, device: torch.device, checkpoint_kind: str) -> str:
+    """The method a load actually uses: 'none', 'int4', 'int8' or 'gguf' (keep the file's own blocks).
+
+    The kernel takes bfloat16 activations on CPU; `auto` falls back to dense elsewhere (float32 runs stay the exact
+    reference), an explicit int4/int8 there is refused."""
+    if method not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATION_CHOICES)}")
+    if method == "none":
+        return "none"
+    fast = device.type == "cpu" and dtype == torch.bfloat16
+    if method == "auto":
+        return "gguf" if fast and checkpoint_kind == "gguf" else "none"
+    if not fast:
+        raise ValueError(f"--quantization {method} runs on CPU with bfloat16 activations; this load has "
+                         f"{str(dtype).removeprefix('torch.')} on {device.type} (use --dtype bfloat16, or "
+                         "--quantization none)")
+    return method
