@@ -48,6 +48,7 @@ class AttentionMetadata:
     dense_q: bool  # queries already laid out [B, T] with no padding: skip the pad/unpad gathers
     row_kv_slots: torch.Tensor | None = None  # [N, Lr] each query row's own keys, in order, padded at the end
     row_bias: torch.Tensor | None = None  # [N, 1, Lr] float: 0 for real keys, -inf for padding
+    row_gather: dict | None = None  # per KV-head count: flat (slot, head) indices and the bias, built once a step
 
 
 # Row-wise attention (decode, verify, short chunks): each query row attends over a gather of exactly its own keys,
@@ -159,15 +160,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     return out.to(dtype)
 
 
+def _row_gather(meta: AttentionMetadata, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices into a cache viewed as [slots * hkv, D] that gather [N, hkv, Lr, D] in one index_select, and the
+    padding bias laid out to match; the same for every layer, so built once a step."""
+    cached = meta.row_gather.get(hkv) if meta.row_gather is not None else None
+    if cached is None:
+        N, width = meta.row_kv_slots.shape
+        heads = torch.arange(hkv, device=meta.row_kv_slots.device).view(1, hkv, 1)
+        index = (meta.row_kv_slots.unsqueeze(1) * hkv + heads).reshape(-1)
+        bias = meta.row_bias.unsqueeze(1).expand(N, hkv, 1, width).reshape(N * hkv, 1, width)
+        cached = (index, bias)
+        meta.row_gather = (meta.row_gather or {}) | {hkv: cached}
+    return cached
+
+
 def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
     N, H, D = q.shape
     width = meta.row_kv_slots.shape[1]
     hkv = k_cache.shape[1]
-    flat = meta.row_kv_slots.view(-1)
-    kp = k_cache.index_select(0, flat).view(N, width, hkv, D).transpose(1, 2).reshape(N * hkv, width, D)
-    vp = v_cache.index_select(0, flat).view(N, width, hkv, D).transpose(1, 2).reshape(N * hkv, width, D)
+    index, bias = _row_gather(meta, hkv)
+    kp = k_cache.view(-1, D).index_select(0, index).view(N * hkv, width, D)
+    vp = v_cache.view(-1, D).index_select(0, index).view(N * hkv, width, D)
     qp = q.to(k_cache.dtype).view(N * hkv, H // hkv, D)  # query heads grouped by the KV head they share
-    bias = meta.row_bias.unsqueeze(1).expand(N, hkv, 1, width).reshape(N * hkv, 1, width)
     scores = torch.baddbmm(bias, qp, kp.transpose(1, 2), alpha=scale)
     return torch.bmm(torch.softmax(scores, dim=-1), vp).view(N, H, D)

@@ -259,8 +259,9 @@ class RMSNorm(nn.Module):
         self.weight = _param((hidden,), dtype, lambda p, w, s=None: p.data.copy_(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in float32 then cast, as Hugging Face does; one fused kernel instead of six small ones
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # one fused kernel that accumulates in float32 whatever the input dtype (Hugging Face casts to float32, normalises,
+        # casts back, then scales: six kernels, and a second bfloat16 rounding)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float]) -> torch.Tensor:
@@ -295,9 +296,9 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q, k: [N, heads, head_dim]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [N, heads, head_dim] in one pass: q and k heads side by side cost one set of kernels, not two."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

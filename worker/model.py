@@ -15,7 +15,7 @@ from .layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rope,
+    rope_rows,
 )
 from .model_config import ModelConfig
 
@@ -32,10 +32,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         p = self.qkv_proj
-        q, k, v = self.qkv_proj(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
         n, d = x.shape[0], self.head_dim
-        q, k = apply_rope(q.view(n, -1, d), k.view(n, -1, d), *rope)
-        out = attend(q, k, v.view(n, -1, d), k_cache, v_cache, meta, self.scale)
+        qkv = self.qkv_proj(x)
+        qk = rope_rows(qkv[:, : p.q_size + p.kv_size].view(n, -1, d), *rope)  # q and k heads rotated together
+        q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
+        out = attend(q, k, qkv[:, p.q_size + p.kv_size :].view(n, -1, d), k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 
