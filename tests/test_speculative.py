@@ -95,26 +95,20 @@ def test_smollm2_tp3_speculative_matches_tp1_plain(copy_head, reference):
     assert [r.token_ids for r in out] == [ref[0][:12], ref[1][:10], ref[2][:6]]
 
 
-def test_bfloat16_differences_begin_at_near_ties(copy_head, smol_dir):
-    """bf16 is not exact (different batch shapes round differently); every divergence must start where the
-    target's top two logits nearly tie."""
+def test_bfloat16_quantized_speculation_is_identical(copy_head, smol_dir):
+    """The served numerics (bfloat16 activations, the file's 4-bit weights): the int4 kernel and row-wise attention
+    compute each row on its own, so verifying a token inside a tree gives the bits decoding it alone gives, and
+    speculative greedy output equals plain greedy output exactly."""
     prompts = PROMPTS + ["Tell me about the moon.", "Why is the sky blue?", "Name a famous painter."]
     params = [_greedy(24)] * len(prompts)
-    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=4096)) as eng:
+    cfg = EngineConfig(dtype="bfloat16", quantization="auto", max_total_tokens=4096)
+    with Engine(cfg) as eng:
         ids = [eng.encode(p) for p in prompts]
-        plain = eng.generate(ids, [SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=2)]
-                             * len(ids))
-    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=4096, spec=_spec(copy_head, 2))) as eng:
+        plain = eng.generate(ids, params)
+    with Engine(cfg.replace(spec=_spec(copy_head, 2))) as eng:
         spec = eng.generate(ids, params)
-    identical = sum(p.token_ids == s.token_ids for p, s in zip(plain, spec))
-    print(f"bfloat16: {identical}/{len(ids)} speculative outputs identical to plain greedy")
-    for p, s in zip(plain, spec):
-        if p.token_ids != s.token_ids:
-            i = next(j for j, (a, b) in enumerate(zip(p.token_ids, s.token_ids)) if a != b)
-            top = p.logprobs[i].top
-            gap = top[0][1] - top[1][1]
-            assert gap < 0.25, f"divergence at a clear decision (top-2 gap {gap:.3f} nats)"
-    assert identical >= len(ids) // 2
+        assert eng.stats.values["spec_verify_steps"] > 0
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
 
 
 # --- rank noise: rank 0 decides, so noise cannot split the ranks -------------------------------------------

@@ -1,0 +1,8 @@
+"""eaglegate's engine core: model, tensor-parallel layers, KV cache, scheduler and the worker processes."""
+
+import os
+
+# MKL's batched matmuls (row-wise attention) otherwise pick code paths by memory alignment, so the same row could
+# round differently from one step to the next; strict mode makes every call reproducible, which keeps speculative
+# output identical to plain output in bfloat16. Read at MKL's first call, so setting it at import suffices.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

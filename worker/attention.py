@@ -3,9 +3,9 @@
 On CPU the cache (and the attention arithmetic) is float32 whatever the model dtype: the CPU's bfloat16
 SDPA kernel is 4-5x slower than float32 for decode, and float32 is also the more accurate choice.
 
-The seam where fused kernels would plug in: `attend(q, k, v, cache, meta)`. The reference path here pads
-the batch, gathers each sequence's keys by slot, and runs torch SDPA with a boolean mask, which covers
-prefill, chunked prefill, decode and EAGLE tree verification (custom masks) on CPU, CUDA and ROCm alike.
+The seam where fused kernels would plug in: `attend(q, k, v, cache, meta)`. Short steps (decode, EAGLE tree
+verification) attend row by row over gathered keys; long chunks (prefill) run torch SDPA per sequence with a
+boolean mask. Both cover CPU, CUDA and ROCm alike, and neither lets one sequence's numbers depend on another's.
 """
 
 from __future__ import annotations
@@ -39,15 +39,12 @@ class SeqSlice:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
-    q_pad_index: torch.Tensor  # [B*T] flat token index of each padded query row
-    out_index: torch.Tensor  # [N] padded row of each token
     kv_slots: torch.Tensor  # [B, L] cache slot of each key position
-    mask: torch.Tensor | None  # [B, 1, T, L] bool, None when every query may see every key
-    batch: int
-    max_q: int
-    dense_q: bool  # queries already laid out [B, T] with no padding: skip the pad/unpad gathers
-    row_kv_slots: torch.Tensor | None = None  # [N, Lr] each query row's own keys, in order, padded at the end
-    row_bias: torch.Tensor | None = None  # [N, 1, Lr] float: 0 for real keys, -inf for padding
+    mask: torch.Tensor  # [B, 1, T, L] bool: which keys each query row may see
+    spans: list[tuple[int, int, int]]  # per sequence: first query row, query rows, keys
+    row_index: torch.Tensor | None = None  # [R] the query rows that attend row-wise (sequences of short chunks)
+    row_kv_slots: torch.Tensor | None = None  # [R, Lr] each such row's own keys, in order, padded at the end
+    row_bias: torch.Tensor | None = None  # [R, 1, Lr] float: 0 for real keys, -inf for padding
     row_gather: dict | None = None  # per KV-head count: flat (slot, head) indices and the bias, built once a step
 
 
@@ -98,40 +95,34 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
     t = torch.arange(T)
     q_valid = t.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, T]
     starts = torch.cumsum(q_lens, 0) - q_lens
-    q_pad_index = torch.where(q_valid, starts.unsqueeze(1) + t, torch.zeros_like(q_valid, dtype=torch.long))
-    out_index = (torch.arange(B).unsqueeze(1) * T + t)[q_valid]
     qpos = ctx.unsqueeze(1) + t  # [B, T]
     slot_mapping = kv_slots.gather(1, qpos.clamp(max=L - 1))[q_valid]
 
+    mask = (kpos.view(1, 1, L) <= qpos.unsqueeze(2)) & key_valid.unsqueeze(1)  # causal within each row
     trees = [i for i, s in enumerate(seqs) if s.tree is not None]
-    rows = T <= ROW_WISE_MAX_Q
-    if T == 1 and not trees and bool((kv_lens == L).all()) and not rows:
-        mask = None  # pure decode of equal lengths: nothing to hide
-    else:
-        mask = (kpos.view(1, 1, L) <= qpos.unsqueeze(2)) & key_valid.unsqueeze(1)  # causal within each row
-        if trees:
-            slot_mapping = slot_mapping.clone()
-            offsets = starts.tolist()
-            for i in trees:
-                s = seqs[i]
-                c, e = s.ctx_len, len(s.tree.key_slots)
-                kv_slots[i, c : c + e] = torch.tensor(s.tree.key_slots, dtype=torch.long)
-                mask[i, :, :c] = True
-                mask[i, : s.q_len, c : c + e] = s.tree.mask
-                mask[i, :, c + e :] = False
-                slot_mapping[offsets[i] : offsets[i] + s.q_len] = torch.tensor(s.tree.write_slots, dtype=torch.long)
-        row_slots, row_valid = _row_keys(mask, kv_slots, q_valid) if rows else (None, None)
-        mask[:, :, 0] |= ~q_valid  # padded query rows see one key, keeping softmax finite
-        mask = mask.unsqueeze(1)
+    if trees:
+        slot_mapping = slot_mapping.clone()
+        offsets = starts.tolist()
+        for i in trees:
+            s = seqs[i]
+            c, e = s.ctx_len, len(s.tree.key_slots)
+            kv_slots[i, c : c + e] = torch.tensor(s.tree.key_slots, dtype=torch.long)
+            mask[i, :, :c] = True
+            mask[i, : s.q_len, c : c + e] = s.tree.mask
+            mask[i, :, c + e :] = False
+            slot_mapping[offsets[i] : offsets[i] + s.q_len] = torch.tensor(s.tree.write_slots, dtype=torch.long)
+    short = q_lens <= ROW_WISE_MAX_Q  # each sequence's path depends on its own chunk, never on its batch-mates
+    rows = bool(short.any())
+    if rows:
+        row_q = q_valid & short.unsqueeze(1)
+        row_slots, row_valid = _row_keys(mask, kv_slots, row_q)
+        row_index = torch.arange(int(q_lens.sum())).masked_select(short.repeat_interleave(q_lens))
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
-        q_pad_index=q_pad_index.reshape(-1).to(device),
-        out_index=out_index.to(device),
         kv_slots=kv_slots.to(device),
-        mask=None if mask is None else mask.to(device),
-        batch=B,
-        max_q=T,
-        dense_q=bool((q_lens == T).all()),
+        mask=mask.unsqueeze(1).to(device),
+        spans=list(zip(starts.tolist(), q_lens.tolist(), kv_lens.tolist())),
+        row_index=None if not rows else row_index.to(device),
         row_kv_slots=None if not rows else row_slots.to(device),
         row_bias=None if not rows else torch.zeros(row_valid.shape).masked_fill(~row_valid, float("-inf"))
         .unsqueeze(1).to(device),
@@ -144,19 +135,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     dtype = q.dtype
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if meta.row_kv_slots is not None:
-        return _attend_rows(q, k_cache, v_cache, meta, scale).to(dtype)
-    B, T = meta.batch, meta.max_q
-    H, D = q.shape[1], q.shape[2]
     q = q.to(k_cache.dtype)
-    qp = (q if meta.dense_q else q.index_select(0, meta.q_pad_index)).view(B, T, H, D).transpose(1, 2)
-    L = meta.kv_slots.shape[1]
-    flat = meta.kv_slots.view(-1)
-    kp = k_cache.index_select(0, flat).view(B, L, -1, D).transpose(1, 2)  # [B, Hkv, L, D]
-    vp = v_cache.index_select(0, flat).view(B, L, -1, D).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2).reshape(B * T, H, D)
-    out = out if meta.dense_q else out.index_select(0, meta.out_index)
+    every_row = meta.row_index is not None and meta.row_index.numel() == q.shape[0]
+    if every_row:
+        return _attend_rows(q, k_cache, v_cache, meta, scale).to(dtype)
+    out = torch.empty_like(q)
+    if meta.row_index is not None:
+        out.index_copy_(0, meta.row_index, _attend_rows(q.index_select(0, meta.row_index), k_cache, v_cache, meta, scale))
+    # long chunks (prefill): one SDPA per sequence, so a sequence's numbers do not depend on its batch-mates
+    for i, (start, q_len, kv_len) in enumerate(meta.spans):
+        if q_len <= ROW_WISE_MAX_Q:
+            continue
+        slots = meta.kv_slots[i, :kv_len]
+        kp = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
+        vp = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        qp = q[start : start + q_len].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask[i : i + 1, :, :q_len, :kv_len],
+                                           scale=scale, enable_gqa=True)
+        out[start : start + q_len] = o[0].transpose(0, 1)
     return out.to(dtype)
 
 
@@ -182,6 +178,6 @@ def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     index, bias = _row_gather(meta, hkv)
     kp = k_cache.view(-1, D).index_select(0, index).view(N * hkv, width, D)
     vp = v_cache.view(-1, D).index_select(0, index).view(N * hkv, width, D)
-    qp = q.to(k_cache.dtype).view(N * hkv, H // hkv, D)  # query heads grouped by the KV head they share
+    qp = q.reshape(N * hkv, H // hkv, D)  # query heads grouped by the KV head they share
     scores = torch.baddbmm(bias, qp, kp.transpose(1, 2), alpha=scale)
     return torch.bmm(torch.softmax(scores, dim=-1), vp).view(N, H, D)

@@ -25,6 +25,11 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+                # sum the ranks' partials in float32 and round once (gloo would round after every addition)
+                wide = x.float()
+                dist.all_reduce(wide, group=self.group)
+                return wide.to(x.dtype)
             dist.all_reduce(x, group=self.group)
         return x
 

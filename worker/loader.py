@@ -45,7 +45,10 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     check_tp_divisibility(cfg, tp.size)
     max_pos = config.max_model_len or cfg.max_position_embeddings
     model = CausalLM(cfg, tp, dtype, max_pos)
-    method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
+    try:
+        method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
     load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress, method), ignore)
     model = model.to(tp.device).eval()

@@ -121,7 +121,14 @@ def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
                     method: str = "none") -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     if source.kind == "gguf":
         return iter_gguf(source.path, cfg, show_progress, method)
-    return iter_safetensors(source.path, show_progress)
+    tensors = iter_safetensors(source.path, show_progress)
+    bits = {"int4": 4, "int8": 8}.get(method)
+    if bits is None:
+        return tensors
+    # quantize from the checkpoint's own precision, before anything rounds it to the model dtype; the embedding
+    # table stays dense for lookups (a tied LM head is quantized from it after loading)
+    return ((name, quantize_rtn(w, bits) if w.dim() == 2 and "embed_tokens" not in name else w)
+            for name, w in tensors)
 
 
 def load_weights(model: nn.Module, name_map: dict[str, tuple[str, object]],
