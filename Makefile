@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test lint bench bench-spec clean
+.PHONY: setup model serve test lint bench llama-cpp bench-spec bench-quant clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,11 +32,18 @@ lint: setup
 bench: model
 	$(PY) bench/decode.py
 
-# The speculative benchmark of issue 5, llama.cpp included: llama-cpp-python builds from source (~7 min, once).
-bench-spec: model
+# Benchmarks against llama.cpp: llama-cpp-python builds from source (~7 min, once).
+llama-cpp: model
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check \
 		llama-cpp-python==0.3.36 diskcache==5.6.3
+
+bench-spec: llama-cpp
 	$(PY) bench/spec.py $(ARGS)
+
+# The quantized fast step (issue 12): kernel cost table, then none/int8/auto/default against llama.cpp.
+bench-quant: llama-cpp
+	$(PY) bench/kernels.py
+	$(PY) bench/quant.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -7,9 +7,11 @@ from pathlib import Path
 from worker.config import DEFAULT_MODEL, SpecConfig
 
 DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle"
-# the shipped head is EAGLE-3 (see its card). s4 k2 n6 is the fastest tree on the 2-core CPU: deeper trees accept
-# more (1.90 tokens at s5 k4 n12 vs 1.69) but their wider verify and longer draft cost more than they gain there
-DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 4, 2, 6
+# the shipped head is EAGLE-3 (see its card). On the default int4 weights a one-token draft (s1 k1 n2) is the fastest
+# tree on the 2-core CPU (bench/spec_profile.py: 1.09x plain, accept length 1.35): a verify of 2 rows costs about one
+# decode step, while each further row costs ~4 ms of verify plus ~3 ms of drafting and the head accepts too few of
+# them (s2k1n3 0.91x, s4k2n6 0.62x at accept length 1.67)
+DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 1, 1, 2
 # decode batches of 4+ fill the CPU already: speculation ran at 0.88x / 0.67x plain at concurrency 4 / 16
 DEFAULT_DISABLE_BATCH_SIZE = 4
 

@@ -141,7 +141,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         return _attend_rows(q, k_cache, v_cache, meta, scale).to(dtype)
     out = torch.empty_like(q)
     if meta.row_index is not None:
-        out.index_copy_(0, meta.row_index, _attend_rows(q.index_select(0, meta.row_index), k_cache, v_cache, meta, scale))
+        rows = _attend_rows(q.index_select(0, meta.row_index), k_cache, v_cache, meta, scale)
+        out.index_copy_(0, meta.row_index, rows)
     # long chunks (prefill): one SDPA per sequence, so a sequence's numbers do not depend on its batch-mates
     for i, (start, q_len, kv_len) in enumerate(meta.spans):
         if q_len <= ROW_WISE_MAX_Q:

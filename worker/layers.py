@@ -259,8 +259,8 @@ class RMSNorm(nn.Module):
         self.weight = _param((hidden,), dtype, lambda p, w, s=None: p.data.copy_(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel that accumulates in float32 whatever the input dtype (Hugging Face casts to float32, normalises,
-        # casts back, then scales: six kernels, and a second bfloat16 rounding)
+        # one call that accumulates in float32 whatever the input dtype and rounds once (Hugging Face casts to float32,
+        # normalises, casts back, then scales: more kernels, and a second bfloat16 rounding)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 

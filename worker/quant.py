@@ -98,7 +98,8 @@ def quantize_rtn(w: torch.Tensor, bits: int) -> QTensor:
 
 
 def _f16(raw: np.ndarray, start: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(raw[:, :, start : start + 2]).view(np.float16)[..., 0].astype(np.float32))
+    halves = np.ascontiguousarray(raw[:, :, start : start + 2]).view(np.float16)[..., 0]
+    return torch.from_numpy(halves.astype(np.float32))
 
 
 def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QTensor:
