@@ -14,7 +14,9 @@ from .quant import Int4Weight, QTensor, cat_rows, int4_linear, pack, quantize_rt
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
-    p = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    # empty, not zeros: load_weights fills every parameter (or keeps the quantized pieces instead), and pages that
+    # are never written cost no memory
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 
@@ -36,9 +38,12 @@ def _init_linear(mod: nn.Module) -> None:
 
 
 def _store(mod: nn.Module, param: nn.Parameter, offset: int, piece) -> None:
-    """Write a checkpoint piece into rows offset.. of param; a quantized piece is also kept whole for packing."""
+    """Write a checkpoint piece into rows offset.. of param. A quantized piece for a linear is only kept (packed
+    later), so the dense parameter is never touched and costs no memory; an embedding table stores it dense too."""
     if isinstance(piece, QTensor):
         mod.qparts.append((offset, piece))
+        if hasattr(mod, "qweight"):
+            return
         piece = piece.dequantize()
     param.data[offset : offset + piece.shape[0]].copy_(piece)
 
@@ -79,6 +84,9 @@ def quantize_linears(model: nn.Module, bits: int | None, dtype: torch.dtype) -> 
         if parts and sum(p.shape[0] for _, p in parts) == rows:
             qt = cat_rows([p for _, p in parts])
         elif bits or parts:  # asked for, or a fused weight whose file quantized only some of its parts
+            if not tied:
+                for offset, p in parts:
+                    mod.weight.data[offset : offset + p.shape[0]].copy_(p.dequantize())
             qt = quantize_rtn(mod.weight.data, bits or 8)
         else:
             continue
@@ -199,7 +207,8 @@ def _load_vocab_rows(mod, param: nn.Parameter, w: torch.Tensor) -> None:
     """Keep this rank's range of vocabulary rows, zero-padding the last range."""
     _check_shape("vocabulary matrix", w.shape, (mod.vocab_size, mod.hidden))
     part = _rows(w, mod.start, mod.start + mod.rows)
-    param.data.zero_()
+    if part.shape[0] < mod.rows and not (isinstance(part, QTensor) and hasattr(mod, "qweight")):
+        param.data[part.shape[0] :].zero_()
     _store(mod, param, 0, part)
     pad = mod.rows - part.shape[0]
     if pad and isinstance(part, QTensor):
