@@ -179,7 +179,7 @@ class DraftHead(nn.Module):
     def use_vocab_subset(self, ids: torch.Tensor) -> None:
         """Restrict drafting to `ids`. At tp=1 the LM head rows are copied out so drafting skips the rest."""
         self.vocab_subset = ids.long().to(self.target.lm_head.weight.device)
-        if self.target.tp.size == 1:
+        if self.target.tp.size == 1 and self.target.lm_head.qweight is None:  # a quantized head keeps no dense rows
             w = self.target.lm_head.weight.detach()
             self.subset_head = ReplicatedLinear(w.shape[1], len(ids), False, w.dtype).to(w.device)
             self.subset_head.weight.data.copy_(w.index_select(0, self.vocab_subset))

@@ -157,17 +157,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     return out.to(dtype)
 
 
-def _row_gather(meta: AttentionMetadata, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_gather(meta: AttentionMetadata, hkv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices into a cache viewed as [slots * hkv, D] that gather [N, hkv, Lr, D] in one index_select, and the
     padding bias laid out to match; the same for every layer, so built once a step."""
-    cached = meta.row_gather.get(hkv) if meta.row_gather is not None else None
+    cached = meta.row_gather.get((hkv, dtype)) if meta.row_gather is not None else None
     if cached is None:
         N, width = meta.row_kv_slots.shape
         heads = torch.arange(hkv, device=meta.row_kv_slots.device).view(1, hkv, 1)
         index = (meta.row_kv_slots.unsqueeze(1) * hkv + heads).reshape(-1)
-        bias = meta.row_bias.unsqueeze(1).expand(N, hkv, 1, width).reshape(N * hkv, 1, width)
+        bias = meta.row_bias.to(dtype).unsqueeze(1).expand(N, hkv, 1, width).reshape(N * hkv, 1, width)
         cached = (index, bias)
-        meta.row_gather = (meta.row_gather or {}) | {hkv: cached}
+        meta.row_gather = (meta.row_gather or {}) | {(hkv, dtype): cached}
     return cached
 
 
@@ -176,7 +176,7 @@ def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     N, H, D = q.shape
     width = meta.row_kv_slots.shape[1]
     hkv = k_cache.shape[1]
-    index, bias = _row_gather(meta, hkv)
+    index, bias = _row_gather(meta, hkv, k_cache.dtype)  # GPU caches hold the model dtype
     kp = k_cache.view(-1, D).index_select(0, index).view(N * hkv, width, D)
     vp = v_cache.view(-1, D).index_select(0, index).view(N * hkv, width, D)
     qp = q.reshape(N * hkv, H // hkv, D)  # query heads grouped by the KV head they share

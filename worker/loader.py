@@ -50,7 +50,10 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
-    load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress, method), ignore)
+    try:
+        load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress, method), ignore)
+    except ValueError as e:  # a weight whose width does not split into quantization groups
+        raise ModelLoadError(f"cannot quantize {source.path} with --quantization {config.quantization}: {e}") from e
     model = model.to(tp.device).eval()
     if method != "none":
         quantize_linears(model, {"int4": 4, "int8": 8}.get(method), dtype)

@@ -3,7 +3,8 @@ CPU kernel (`aten._weight_int4pack_mm_for_cpu`) that runs both 4-bit and 8-bit w
 
 A quantized weight travels through loading as a `QTensor` (codes, per-group scale and offset), so every rank
 slices it exactly as it slices a dense weight. After loading, `pack` turns it into the kernel's layout. 8-bit codes
-run as two 4-bit planes side by side (q = 16*hi + lo), which keeps Q8_0 exact on the same kernel.
+run as two 4-bit planes side by side (q = 16*hi + lo), which keeps Q8_0's codes on the same kernel. The kernel's
+scales are bfloat16, so a GGUF's fp16 scales lose 3 of their 11 significant bits: the one rounding on this path.
 
 Why this kernel: measured on the 2-core AVX-512 machine (bench/kernels.py, `bench/out/kernels.json`), all 121
 linears of one SmolLM2 step take ~5 ms in int4 against ~15 ms in packed bfloat16 for up to 4 rows, and the kernel
@@ -21,7 +22,7 @@ import torch
 GROUP = 32  # GGUF's block size, and the kernel's group size
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
-# GGUF tensor types by how they load. Kept exactly: blocks of 32 map onto the kernel's groups bit for bit.
+# GGUF tensor types by how they load. Kept as they are: blocks of 32 map onto the kernel's groups code for code.
 GGUF_EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 # Requantized at load (round-to-nearest, groups of 32) to this many bits; dense under --quantization none.
 GGUF_REQUANT = {"Q4_K": 4, "Q5_K": 4, "Q5_0": 4, "Q5_1": 4, "Q2_K": 4, "Q3_K": 4, "Q6_K": 8}
