@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from worker.config import DEFAULT_MODEL, EngineConfig
+from worker.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, EngineConfig
 
 log = logging.getLogger("eaglegate")
 
@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="weights: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks (K-quants requantized to int4) on "
                         "CPU in bfloat16; int4/int8 quantize any checkpoint at load; none keeps dense weights")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")

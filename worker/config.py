@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # worker/quant.py
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ class EngineConfig:
             raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; use auto, none, int8 or int4")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
         if self.block_size < 1 or self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("block_size, chunked_prefill_size and max_running_requests must be >= 1")
         if self.debug_skip_decision_broadcast and not self.debug_rank_logit_noise:

@@ -10,7 +10,7 @@ from .layers import pack_cpu_linears, quantize_linears
 from .model import CausalLM
 from .model_config import ModelConfig, load_model_config
 from .model_files import ModelLoadError, ModelSource
-from .quant import resolve_quantization
+from .quant import METHOD_BITS, resolve_quantization
 from .weights import iter_checkpoint, load_weights
 
 
@@ -56,7 +56,7 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
         raise ModelLoadError(f"cannot quantize {source.path} with --quantization {config.quantization}: {e}") from e
     model = model.to(tp.device).eval()
     if method != "none":
-        quantize_linears(model, {"int4": 4, "int8": 8}.get(method), dtype)
+        quantize_linears(model, METHOD_BITS.get(method), dtype)
     if dtype == torch.bfloat16 and tp.device.type == "cpu" and torch.backends.mkldnn.is_available():
         pack_cpu_linears(model)
     return model, cfg

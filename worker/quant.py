@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .config import QUANTIZATION_CHOICES
+
 GROUP = 32  # GGUF's block size, and the kernel's group size
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+METHOD_BITS = {"int4": 4, "int8": 8}  # the methods that quantize every linear at load, and their width
 
 # GGUF tensor types by how they load. Kept as they are: blocks of 32 map onto the kernel's groups code for code.
 GGUF_EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from .model_config import ModelConfig
 from .model_files import ModelLoadError, ModelSource
-from .quant import GGUF_EXACT, GGUF_REQUANT, GGUF_SUPPORTED, QTensor, gguf_blocks, quantize_rtn
+from .quant import GGUF_EXACT, GGUF_REQUANT, GGUF_SUPPORTED, METHOD_BITS, QTensor, gguf_blocks, quantize_rtn
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -62,7 +62,7 @@ def gguf_tensor(t, method: str) -> torch.Tensor | QTensor:
     if kind not in GGUF_SUPPORTED:
         raise ModelLoadError(f"GGUF tensor {t.name} has type {kind}, which eaglegate cannot load; supported types: "
                              f"{', '.join(GGUF_SUPPORTED)} (convert the file with llama.cpp's llama-quantize)")
-    bits = {"int4": 4, "int8": 8}.get(method)
+    bits = METHOD_BITS.get(method)
     if kind in GGUF_EXACT and (method == "gguf" or GGUF_EXACT[kind] == bits):
         return gguf_blocks(np.asarray(t.data), kind, (int(t.shape[1]), int(t.shape[0])))
     w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
@@ -122,7 +122,7 @@ def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
     if source.kind == "gguf":
         return iter_gguf(source.path, cfg, show_progress, method)
     tensors = iter_safetensors(source.path, show_progress)
-    bits = {"int4": 4, "int8": 8}.get(method)
+    bits = METHOD_BITS.get(method)
     if bits is None:
         return tensors
     # quantize from the checkpoint's own precision, before anything rounds it to the model dtype; the embedding
