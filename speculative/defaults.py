@@ -36,7 +36,7 @@ def resolve_spec_config(args) -> SpecConfig:
                               accept_threshold_single=args.speculative_accept_threshold_single,
                               accept_threshold_acc=args.speculative_accept_threshold_acc,
                               disable_batch_size=d.disable_batch_size if args.speculative_disable_batch_size is None
-                              else args.speculative_disable_batch_size)
+                              else args.speculative_disable_batch_size, **_budget_args(args))
     algo = algo.upper()
     if algo == "NONE":
         return SpecConfig()
@@ -50,4 +50,9 @@ def resolve_spec_config(args) -> SpecConfig:
                       eagle_topk=topk, num_draft_tokens=draft,
                       accept_threshold_single=args.speculative_accept_threshold_single,
                       accept_threshold_acc=args.speculative_accept_threshold_acc,
-                      disable_batch_size=args.speculative_disable_batch_size or 0)
+                      disable_batch_size=args.speculative_disable_batch_size or 0, **_budget_args(args))
+
+
+def _budget_args(args) -> dict:
+    return {"context_tokens": args.speculative_context_tokens, "context_ngram": args.speculative_context_ngram,
+            "cost_table": args.speculative_cost_table}

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .budget import CONTEXT, EAGLE
+
 
 @dataclass
 class DraftTree:
@@ -61,6 +63,7 @@ class VerifyTree:
     tokens: list[int]
     parents: list[int]  # node index of each node's parent (-1 for the root)
     depths: list[int]
+    sources: list[int] = field(default_factory=list)  # per node: bit 1 EAGLE, bit 2 context (budget.py)
 
     @property
     def size(self) -> int:
@@ -85,12 +88,27 @@ class VerifyTree:
         return m
 
 
-def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int]) -> VerifyTree:
+def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], context: list[int]) -> VerifyTree:
+    """The root, the selected draft candidates, then the context chain merged in where it repeats a drafted path
+    (a shared node is verified once and counts for both sources)."""
     node_of = {c: i + 1 for i, c in enumerate(selected)}
-    tokens, parents, depths = [root_token], [-1], [0]
+    vt = VerifyTree([root_token], [-1], [0], [0])
     for c in selected:
-        tokens.append(tree.tokens[c])
         p = tree.parents[c]
-        parents.append(0 if p < 0 else node_of[p])
-        depths.append(tree.depths[c])
-    return VerifyTree(tokens, parents, depths)
+        vt.tokens.append(tree.tokens[c])
+        vt.parents.append(0 if p < 0 else node_of[p])
+        vt.depths.append(tree.depths[c])
+        vt.sources.append(EAGLE)
+    node, kids = 0, vt.children()
+    for token in context:
+        nxt = next((c for c in kids[node] if vt.tokens[c] == token), None)
+        if nxt is None:
+            vt.tokens.append(token)
+            vt.parents.append(node)
+            vt.depths.append(vt.depths[node] + 1)
+            vt.sources.append(0)
+            kids.append([])
+            nxt = len(vt.tokens) - 1
+        vt.sources[nxt] |= CONTEXT
+        node = nxt
+    return vt

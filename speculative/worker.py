@@ -17,23 +17,21 @@ from worker.dist import TPGroup
 from worker.layers import pack_cpu_linears
 from worker.runner import ModelRunner
 
+from .budget import CostTable
+from .decisions import Commit, Selection, SpecDecisions
 from .heads import DraftHead, load_draft_head, resolve_draft_path
 from .plan import SpecStep
 from .tree import DraftTree, VerifyTree, build_verify_tree
 
-
-@dataclass
-class Commit:
-    """One sequence's verify outcome: accepted tree nodes (by index) and the bonus token."""
-
-    path: list[int]
-    bonus: int
+CALIBRATION_CONTEXT = 64  # tokens of context behind the calibration forwards
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 @dataclass
 class SpecResult:
     commits: list[Commit]
     trees: list[VerifyTree]
+    selections: list[Selection]
     verify_logits: torch.Tensor  # [sum(tree sizes), V] float32
     timings: dict = field(default_factory=dict)
 
@@ -58,12 +56,50 @@ class SpecWorker:
                                     device=tp.device)
         runner.on_hidden = self._store_features
         self.bs = runner.block_size
+        self.max_depth = self.spec.num_steps + self.spec.context_tokens  # longest path a verify tree can hold
+        self.cost: CostTable | None = None
+        if self.spec.cost_table == "auto":
+            self.cost = self.calibrate()
+        elif self.spec.cost_table != "off":
+            self.cost = CostTable.load(self.spec.cost_table)
 
     @property
     def reserve(self) -> int:
         """KV slots past the root a decoding sequence needs: the verify tree and the draft scratch."""
         s = self.spec
-        return max(s.num_draft_tokens, (s.num_steps - 1) * s.eagle_topk) + 1
+        return max(s.num_draft_tokens + s.context_tokens, (s.num_steps - 1) * s.eagle_topk) + 1
+
+    @torch.inference_mode()
+    def calibrate(self) -> CostTable:
+        """Seconds of a target forward (with its LM head) by rows, measured here before serving. Every rank runs
+        the same forwards (their collectives pair up); rank 0's timings are the ones it decides with."""
+        top = self.spec.num_draft_tokens + self.spec.context_tokens
+        rows = sorted({r for r in CALIBRATION_ROWS if r < top} | {top})
+        blocks = -(-(CALIBRATION_CONTEXT + top) // self.bs)
+        table = list(range(min(blocks, self.runner.num_blocks)))
+        ctx = max(0, min(CALIBRATION_CONTEXT, len(table) * self.bs - top))
+        dev, model = self.tp.device, self.runner.model
+
+        def forward(r: int) -> float:
+            meta = build_attention_metadata([SeqSlice(ctx, r, table)], self.bs, dev)
+            t0 = time.perf_counter()
+            hidden, _ = model(torch.zeros(r, dtype=torch.long, device=dev), torch.arange(ctx, ctx + r, device=dev),
+                              self.runner.kv, meta)
+            model.compute_logits(hidden).float()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            return time.perf_counter() - t0
+
+        for r in (top, top, 1, 1):  # warm-up: allocator, thread pool, packed weights
+            forward(r)
+        times = {r: [] for r in rows}
+        for _ in range(3):  # round-robin, so a burst of machine noise does not hit one size only
+            for r in rows:
+                times[r].append(forward(r))
+        seconds = [sorted(times[r])[1] for r in rows]
+        for i in range(1, len(seconds)):  # a forward of more rows never costs less
+            seconds[i] = max(seconds[i], seconds[i - 1])
+        return CostTable(tuple(rows), tuple(seconds))
 
     def _store_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         self.features.index_copy_(0, slot_mapping, self.head.feature(hidden, aux).to(self.features.dtype))
@@ -78,11 +114,29 @@ class SpecWorker:
         return out, meta
 
     @torch.inference_mode()
-    def run(self, step: SpecStep, decider) -> SpecResult:
+    def run(self, step: SpecStep, decisions: SpecDecisions) -> SpecResult:
         t0 = time.perf_counter()
+        trees = [DraftTree() for _ in step.seqs]
+        contexts = [q.context_ids for q in step.seqs]
+        if step.draft:
+            self._draft(step, decisions, trees, contexts)
+        # without a draft, the plan already holds rank 0's choice of context tokens
+        selections = decisions.select(trees, contexts) if step.draft else [Selection([], len(c)) for c in contexts]
+        vtrees = [build_verify_tree(q.extend_ids[-1], t, sel.picks, ctx[: sel.num_context])
+                  for q, t, sel, ctx in zip(step.seqs, trees, selections, contexts)]
+        t1 = time.perf_counter()
+        logits = self._verify_forward(step, vtrees)
+        t2 = time.perf_counter()
+        commits = decisions.accept(vtrees, logits, self.max_depth)
+        t3 = time.perf_counter()
+        self._commit_kv(step, vtrees, commits)
+        return SpecResult(commits, vtrees, selections, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2})
+
+    def _draft(self, step: SpecStep, decisions: SpecDecisions, trees: list[DraftTree], contexts) -> None:
+        """EAGLE drafting: catch the draft's KV up with committed tokens, then grow each tree level by level
+        (rank 0 picks the children, the next frontier, and whether another level can pay)."""
         s = self.spec
         k, B = s.eagle_topk, len(step.seqs)
-        # 1. draft extend: catch the draft's KV up with committed tokens; the last row is the root's output
         ids, pos, slots, slices, last = [], [], [], [], []
         for q in step.seqs:
             span = range(q.draft_cached, q.ctx_len)
@@ -95,14 +149,12 @@ class SpecWorker:
         out, _ = self._draft_forward(ids, pos, feats, slices)
         root_hidden = out[torch.tensor(last, device=self.tp.device)]  # [B, h]
         logp = torch.log_softmax(self.head.logits(root_hidden), dim=-1)
-        first = decider.first(logp, k)  # [B, k] target-vocabulary tokens (rank 0's top-k)
-        trees = [DraftTree() for _ in range(B)]
-        for b in range(B):
+        first = decisions.first(logp, k)  # [B, k] target-vocabulary tokens (rank 0's top-k)
+        for b, t in enumerate(trees):
             for j in range(k):
-                trees[b].add(int(first[b, j]), -1, float(decider.scores[b][j]) if decider.scores else 0.0)
-            trees[b].frontier = list(range(k))
+                t.add(int(first[b, j]), -1, decisions.score(b, j))
+            t.frontier = list(range(k))
         src_hidden = {(b, c): root_hidden[b] for b in range(B) for c in range(k)}  # hidden that produced c
-        # 2. expansion: feed the frontier, rank 0 picks children and the next frontier
         for i in range(2, s.num_steps + 1):
             ids, pos, feats_list, slices = [], [], [], []
             for b, q in enumerate(step.seqs):
@@ -118,27 +170,17 @@ class SpecWorker:
                     feats_list.append(src_hidden[(b, c)])
             out, _ = self._draft_forward(ids, pos, torch.stack(feats_list), slices)
             logp = torch.log_softmax(self.head.logits(out), dim=-1).view(B, k, -1)
-            children, picks = decider.expand(logp, trees, k, last=i == s.num_steps)
-            for b in range(B):
-                t = trees[b]
+            children, picks, stop = decisions.expand(logp, trees, k, i == s.num_steps, contexts)
+            for b, t in enumerate(trees):
                 new = []
                 for j, parent in enumerate(t.frontier):
                     for m in range(k):
-                        score = decider.child_score(b, j, m) if decider.scores else 0.0
-                        c = t.add(int(children[b, j * k + m]), parent, score)
+                        c = t.add(int(children[b, j * k + m]), parent, decisions.score(b, j * k + m))
                         new.append(c)
                         src_hidden[(b, c)] = out[b * k + j]
                 t.frontier = [new[int(x)] for x in picks[b]] if picks is not None else []
-        # 3. verify the selected tree with one target forward
-        selected = decider.select(trees, s.num_draft_tokens - 1)
-        vtrees = [build_verify_tree(q.extend_ids[-1], trees[b], selected[b]) for b, q in enumerate(step.seqs)]
-        t1 = time.perf_counter()
-        logits = self._verify_forward(step, vtrees)
-        t2 = time.perf_counter()
-        commits = decider.accept(vtrees, logits)
-        t3 = time.perf_counter()
-        self._commit_kv(step, vtrees, commits)
-        return SpecResult(commits, vtrees, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2})
+            if stop:
+                break
 
     def _verify_forward(self, step: SpecStep, vtrees: list[VerifyTree]) -> torch.Tensor:
         dev = self.tp.device

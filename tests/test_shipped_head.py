@@ -36,10 +36,11 @@ def test_shipped_head_accepts_more_than_one_and_a_half_tokens_per_step(smol_engi
     prompts = [smol_engine.encode(chat(smol_engine, q)) for q in QUESTIONS]
     params = SamplingParams(max_new_tokens=64, temperature=0)
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
-    # the head's quality on a fixed 5-step, top-4, 12-token tree (a random head accepts ~1.0 here); the served
-    # default is the smaller s4 k2 n6 tree, faster on CPU but with a lower accept length (~1.7)
+    # the head's own quality on a fixed 5-step, top-4, 12-token tree, every step, no context candidates (a random
+    # head accepts ~1.0 here); the served default drafts one token and lets rank 0 size each step
     spec = resolve_spec_config(_cli("--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
-                                    "--speculative-num-draft-tokens", "12"))
+                                    "--speculative-num-draft-tokens", "12", "--speculative-cost-table", "off",
+                                    "--speculative-context-tokens", "0"))
     assert spec.draft_model_path == str(DEFAULT_HEAD)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
         out = [eng.generate([p], params)[0].token_ids for p in prompts]  # batch 1, as served

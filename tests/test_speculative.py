@@ -28,7 +28,9 @@ def _greedy(n: int) -> SamplingParams:
 
 
 def _spec(head, topk: int, algo: str = "EAGLE", steps: int = 4) -> SpecConfig:
-    return SpecConfig(algo, str(head), num_steps=steps, eagle_topk=topk, num_draft_tokens=steps + 1 if topk == 1 else 8)
+    """The full tree on every step (no cost-aware budget, tested in test_spec_budget.py), so each step drafts."""
+    return SpecConfig(algo, str(head), num_steps=steps, eagle_topk=topk, num_draft_tokens=steps + 1 if topk == 1 else 8,
+                      cost_table="off")
 
 
 @pytest.fixture(scope="module")

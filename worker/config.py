@@ -23,6 +23,12 @@ class SpecConfig:
     # decode batches of this many sequences or more run plain steps (0: never), where a wider verify costs more
     # than speculation saves (vLLM's disable_by_batch_size)
     disable_batch_size: int = 0
+    # prompt-lookup candidates joined to each verify tree (speculative/context.py); 0 turns them off
+    context_tokens: int = 8
+    context_ngram: int = 3
+    # rank 0's per-step tree budget (speculative/budget.py): "auto" measures verify cost at start-up, a path
+    # loads a JSON cost table, "off" verifies the full configured tree on every step
+    cost_table: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +99,8 @@ class EngineConfig:
                                  f"that num_steps={s.num_steps}, topk={s.eagle_topk} propose")
             if not 0 < s.accept_threshold_single <= 1 or not 0 < s.accept_threshold_acc <= 1:
                 raise ValueError("speculative accept thresholds must be in (0, 1]")
+            if s.context_tokens < 0 or s.context_ngram < 1:
+                raise ValueError("speculative context tokens must be >= 0 and the context n-gram >= 1")
 
     @property
     def local_tp_size(self) -> int:

@@ -1,0 +1,182 @@
+"""Rank 0's cost-aware tree: how many candidates to verify, whether to draft at all, when to stop expanding.
+
+Each candidate carries an estimated probability of being accepted: exp(cumulative draft log-probability) for an
+EAGLE candidate (EAGLE-2: the draft's confidence is well calibrated), p_n^depth for a context candidate whose
+n-gram match has observed per-token acceptance p_n. A verify of r rows costs `verify(r)` seconds, measured on
+this machine. Rank 0 verifies the prefix of the candidates, best first, that maximises expected tokens per second
+of the step; with none chosen, the step is a plain decode (the root alone). Every choice reaches the other ranks
+through the plan or the decision channel; nothing here runs on them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DRAFT, CONTEXT_ONLY, PLAIN = "draft", "context", "plain"  # the kinds of decode step rank 0 chooses between
+EMA = 0.2  # weight of a new measurement in the running estimates
+RELAX = 0.05  # per skipped step, how far the EAGLE estimate moves back to the optimistic prior (re-probing)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Target forward seconds by rows (piecewise linear between measured points, linear beyond the last)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    # a table from a file is the whole truth: each kind of step's seconds besides its verify (0 when not given),
+    # instead of the running measurement a calibrated table is paired with
+    overhead: dict[str, float] | None = None
+
+    def verify(self, rows: float) -> float:
+        xs, ys = self.rows, self.seconds
+        if rows <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if rows <= xs[i]:
+                return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (rows - xs[-1])
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostTable:
+        """{"verify_seconds": {rows: seconds, ...}, "overhead_seconds": {"draft"|"context"|"plain": seconds}}"""
+        points = sorted((int(r), float(s)) for r, s in data.get("verify_seconds", {}).items())
+        if not points or any(r < 1 or s <= 0 for r, s in points):
+            raise ValueError("a cost table needs verify_seconds: {rows >= 1: seconds > 0, ...}")
+        overhead = {str(k): float(v) for k, v in data.get("overhead_seconds", {}).items()}
+        if set(overhead) - {DRAFT, CONTEXT_ONLY, PLAIN}:
+            raise ValueError(f"overhead_seconds keys are {DRAFT}, {CONTEXT_ONLY} and {PLAIN}")
+        return cls(tuple(r for r, _ in points), tuple(s for _, s in points), overhead)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    prob: float  # estimated probability that the target accepts it (and its ancestors)
+    seq: int  # index in the batch
+    source: int  # EAGLE or CONTEXT
+    index: int  # EAGLE: draft-tree candidate; CONTEXT: position in the chain (0-based)
+
+
+EAGLE, CONTEXT = 1, 2
+
+
+def choose(cands: list[Candidate], batch: int, cost: CostTable, fixed_s: float) -> tuple[list[Candidate], float]:
+    """The best-first prefix of `cands` maximising (batch + sum of probs) / (fixed_s + verify(batch + rows)).
+
+    Probabilities never rise from a candidate to its descendants, and ties go to the lower index (the ancestor),
+    so every prefix is closed under ancestors. Returns (chosen, expected tokens per second)."""
+    order = sorted(cands, key=lambda c: (-c.prob, c.seq, c.source, c.index))
+    tokens, best_m = float(batch), 0
+    best = tokens / (fixed_s + cost.verify(batch))
+    for m, c in enumerate(order, start=1):
+        tokens += c.prob
+        rate = tokens / (fixed_s + cost.verify(batch + m))
+        if rate > best:
+            best, best_m = rate, m
+    return order[:best_m], best
+
+
+@dataclass
+class Estimates:
+    """Rank 0's running figures: each kind of step's seconds besides its verify forward (by batch size), the
+    EAGLE drafting seconds, EAGLE tokens accepted per drafted step, and the per-token acceptance of context
+    candidates by match length (successes / trials, from a uniform prior)."""
+
+    eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
+    eagle_gain: float = math.nan
+    overhead: dict[tuple[str, int], float] = field(default_factory=dict)  # (DRAFT | CONTEXT | PLAIN, batch)
+    draft_seconds: dict[int, float] = field(default_factory=dict)
+    context_hits: dict[int, float] = field(default_factory=dict)
+    context_trials: dict[int, float] = field(default_factory=dict)
+    frozen: dict[str, float] | None = None  # overheads from a cost-table file: not measured
+
+    def __post_init__(self):
+        if math.isnan(self.eagle_gain):
+            self.eagle_gain = self.eagle_prior
+
+    def fixed(self, kind: str, batch: int) -> float:
+        if self.frozen is not None:
+            return self.frozen.get(kind, 0.0)
+        mine = {b: v for (k, b), v in self.overhead.items() if k == kind}
+        return mine[min(mine, key=lambda b: (abs(b - batch), b))] if mine else 0.0
+
+    def draft_time(self, batch: int) -> float:
+        d = self.draft_seconds
+        return d[min(d, key=lambda b: (abs(b - batch), b))] if d else 0.0
+
+    def context_p(self, n: int) -> float:
+        return (self.context_hits.get(n, 0.0) + 1.0) / (self.context_trials.get(n, 0.0) + 2.0)
+
+    def observe_step(self, kind: str, batch: int, seconds: float) -> None:
+        """A step's wall seconds besides its verify forward (as the cost table prices it)."""
+        if self.frozen is None:
+            _ema(self.overhead, (kind, batch), max(0.0, seconds))
+
+
+    def observe_draft(self, batch: int, seconds: float, eagle_accepted: list[int]) -> None:
+        _ema(self.draft_seconds, batch, seconds)
+        for a in eagle_accepted:
+            self.eagle_gain += EMA * (a - self.eagle_gain)
+
+    def skip_draft(self) -> None:
+        self.eagle_gain += RELAX * (self.eagle_prior - self.eagle_gain)
+
+    def observe_context(self, n: int, offered: int, accepted: int) -> None:
+        """A chain of `offered` context tokens from an n-gram match, of which the first `accepted` were taken."""
+        if offered:
+            self.context_hits[n] = self.context_hits.get(n, 0.0) + accepted
+            self.context_trials[n] = self.context_trials.get(n, 0.0) + accepted + (accepted < offered)
+
+
+def _ema(table: dict, key, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else old + EMA * (value - old)
+
+
+def context_candidates(seq: int, length: int, p: float) -> list[Candidate]:
+    return [Candidate(p ** (i + 1), seq, CONTEXT, i) for i in range(length)]
+
+
+def plan_step(est: Estimates, cost: CostTable, contexts: list[list[Candidate]],
+              eagle_rows: int) -> tuple[str, list[int]]:
+    """Before drafting, the kind of step with the best expected tokens per second: DRAFT (EAGLE plus context
+    candidates, sized after drafting), CONTEXT_ONLY (the returned number of context tokens per sequence), or a
+    PLAIN decode step."""
+    batch = len(contexts)
+    ctx = [c for cs in contexts for c in cs]
+    chosen, with_context = choose(ctx, batch, cost, est.fixed(CONTEXT_ONLY, batch))
+    plain = batch / (est.fixed(PLAIN, batch) + cost.verify(batch))
+    per_row = est.eagle_gain / eagle_rows if eagle_rows else 0.0
+    guessed = [Candidate(min(1.0, per_row), b, EAGLE, i) for b in range(batch) for i in range(eagle_rows)]
+    _, with_draft = choose(ctx + guessed, batch, cost, est.fixed(DRAFT, batch))
+    if with_draft > max(with_context, plain):
+        return DRAFT, [len(cs) for cs in contexts]
+    if chosen and with_context > plain:
+        return CONTEXT_ONLY, [sum(1 for c in chosen if c.seq == b) for b in range(batch)]
+    return PLAIN, [0] * batch
+
+
+def cap_eagle(cands: list[Candidate], cap: int) -> list[Candidate]:
+    """At most `cap` EAGLE candidates per sequence (the likeliest); context candidates pass."""
+    out = [c for c in cands if c.source != EAGLE]
+    for b in {c.seq for c in cands}:
+        mine = sorted((c for c in cands if c.source == EAGLE and c.seq == b), key=lambda c: (-c.prob, c.index))
+        out += mine[:cap]
+    return out
+
+
+def worth_expanding(cands: list[Candidate], frontier: list[tuple[int, float]], k: int, cap: int, batch: int,
+                    cost: CostTable, spent_s: float, step_s: float) -> bool:
+    """Another draft level adds at most k children under each frontier node (seq, prob), none likelier than its
+    parent: expand only when even that best case beats verifying what is drafted now."""
+    _, now = choose(cap_eagle(cands, cap), batch, cost, spent_s)
+    bound = [Candidate(p, b, EAGLE, 1 << 30) for b, p in frontier for _ in range(k)]
+    _, deeper = choose(cap_eagle(cands + bound, cap), batch, cost, spent_s + step_s)
+    return deeper > now

@@ -1,0 +1,219 @@
+"""The decisions of one speculative step, made on rank 0 and applied by every rank.
+
+`DecisionChannel.sync` is the only way a decision crosses ranks: every rank calls it for every decision in the same
+order (the step code is one function that all ranks run), rank 0 computes the value and the others receive it. So
+the sequence of collectives cannot drift between rank 0 and the followers. `SpecDecisions` holds what rank 0 alone
+knows (draft scores, sampling state, the cost model); on the other ranks its decide functions are never called.
+With --debug-skip-decision-broadcast (tests only) the verify decision is taken by each rank from its own logits,
+reproducing the upstream hang class; the divergence guard then reports it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.sampling import apply_penalties, filter_probs
+from worker.scheduler import Sequence
+
+from . import budget
+from .budget import Candidate, CostTable, Estimates
+from .tree import DraftTree, VerifyTree, select_candidates
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class Commit:
+    """One sequence's verify outcome: accepted tree nodes (by index) and the bonus token."""
+
+    path: list[int]
+    bonus: int
+
+
+@dataclass
+class Selection:
+    """What one sequence verifies: draft-tree candidates (ancestors first) and how many context tokens."""
+
+    picks: list[int]
+    num_context: int
+
+
+class DecisionChannel:
+    """One int64 broadcast per decision; rank 0's value wins. Counts its collectives for the guard and metrics."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+        self.count = 0
+        self.seconds: dict[str, list[float]] = {}
+
+    def sync(self, name: str, decide: Callable[[], torch.Tensor], shape: tuple[int, ...],
+             local: bool = False) -> torch.Tensor:
+        """Rank 0 (or every rank, when `local`) calls `decide`; the others receive its [shape] int64 result."""
+        if local or self.tp.is_leader:
+            value = decide().to(torch.int64)
+            assert tuple(value.shape) == shape, f"decision {name}: {tuple(value.shape)} != {shape}"
+        else:
+            value = torch.empty(shape, dtype=torch.int64)
+        if self.tp.size > 1 and not local:
+            t0 = time.perf_counter()
+            self.tp.broadcast_tensor(value)
+            self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
+            self.count += 1
+        return value
+
+
+@dataclass
+class LeaderState:
+    """Rank 0's inputs to a step's decisions."""
+
+    seqs: list[Sequence]
+    head: object  # maps draft-vocabulary ids to target ids (FR-Spec subset, EAGLE-3 d2t)
+    cost: CostTable | None  # None: the fixed tree every step
+    estimates: Estimates
+    context_n: list[int]  # n-gram length behind each sequence's context candidates
+
+
+class SpecDecisions:
+    def __init__(self, chan: DecisionChannel, config: EngineConfig, batch: int, leader: LeaderState | None):
+        self.chan, self.config, self.batch, self.leader = chan, config, batch, leader
+        self.spec = config.spec
+        self.scores: list[list[float]] | None = None  # rank 0: the latest draft scores, per sequence
+        self.stopped_early = False
+
+    def score(self, b: int, j: int) -> float:
+        return self.scores[b][j] if self.scores is not None else 0.0
+
+    # --- drafting -----------------------------------------------------------------------------------------
+    def first(self, logp: torch.Tensor, k: int) -> torch.Tensor:
+        def decide():
+            vals, idx = torch.topk(logp, k, dim=-1)
+            self.scores = vals.tolist()
+            return self.leader.head.to_target_ids(idx).cpu()
+
+        return self.chan.sync("draft", decide, (self.batch, k))
+
+    def expand(self, logp: torch.Tensor, trees: list[DraftTree], k: int, last: bool, contexts: list[list[int]]):
+        """Children of the frontier [B, k*k], the next frontier [B, k] (None on the last level), and whether
+        rank 0 stops expanding here (no further level can pay for its draft forward)."""
+        B = self.batch
+        width = k * k if last else k * k + k + 1
+
+        def decide():
+            vals, idx = torch.topk(logp, k, dim=-1)  # [B, k(frontier), k(children)]
+            parent = torch.tensor([[t.scores[c] for c in t.frontier] for t in trees])
+            cum = (parent.unsqueeze(-1) + vals.cpu()).view(B, k * k)
+            self.scores = cum.tolist()
+            children = self.leader.head.to_target_ids(idx).cpu().view(B, k * k)
+            if last:
+                return children
+            picks = torch.topk(cum, k, dim=-1).indices
+            stop = torch.full((B, 1), int(not self._worth_expanding(trees, cum, picks, contexts)))
+            return torch.cat([children, picks, stop], dim=1)
+
+        packed = self.chan.sync("draft", decide, (B, width))
+        if last:
+            return packed, None, True
+        return packed[:, : k * k], packed[:, k * k : k * k + k], bool(packed[0, -1])
+
+    def _worth_expanding(self, trees, cum: torch.Tensor, picks: torch.Tensor, contexts) -> bool:
+        lead = self.leader
+        if lead.cost is None:
+            return True
+        cands = self._eagle_candidates(trees) + self._context_candidates(contexts)
+        cands += [Candidate(math.exp(s), b, budget.EAGLE, 1 << 30) for b, row in enumerate(cum.tolist()) for s in row]
+        frontier = [(b, math.exp(cum[b, int(j)])) for b in range(self.batch) for j in picks[b]]
+        est = lead.estimates
+        step_s = est.draft_time(self.batch) / max(1, self.spec.num_steps)
+        return budget.worth_expanding(cands, frontier, self.spec.eagle_topk, self.spec.num_draft_tokens - 1,
+                                      self.batch, lead.cost, est.fixed(budget.DRAFT, self.batch), step_s)
+
+    # --- what to verify -----------------------------------------------------------------------------------
+    def _eagle_candidates(self, trees: list[DraftTree]) -> list[Candidate]:
+        num = self.spec.num_draft_tokens - 1
+        return [Candidate(math.exp(t.scores[c]), b, budget.EAGLE, c)
+                for b, t in enumerate(trees) for c in select_candidates(t, min(num, len(t.tokens)))]
+
+    def _context_candidates(self, contexts: list[list[int]]) -> list[Candidate]:
+        lead = self.leader
+        return [c for b, ctx in enumerate(contexts)
+                for c in budget.context_candidates(b, len(ctx), lead.estimates.context_p(lead.context_n[b]))]
+
+    def select(self, trees: list[DraftTree], contexts: list[list[int]]) -> list[Selection]:
+        num = self.spec.num_draft_tokens - 1
+        width = 2 + num
+
+        def decide():
+            lead = self.leader
+            if lead.cost is None:  # the full tree and every context candidate
+                chosen = [Selection(select_candidates(t, min(num, len(t.tokens))), len(c))
+                          for t, c in zip(trees, contexts)]
+            else:
+                cands = self._eagle_candidates(trees) + self._context_candidates(contexts)
+                best, _ = budget.choose(cands, self.batch, lead.cost, lead.estimates.fixed(budget.DRAFT, self.batch))
+                chosen = [Selection(sorted(c.index for c in best if c.seq == b and c.source == budget.EAGLE),
+                                    sum(1 for c in best if c.seq == b and c.source == budget.CONTEXT))
+                          for b in range(self.batch)]
+            out = torch.full((self.batch, width), -1, dtype=torch.int64)
+            for b, s in enumerate(chosen):
+                out[b, 0], out[b, 1] = len(s.picks), s.num_context
+                out[b, 2 : 2 + len(s.picks)] = torch.tensor(s.picks, dtype=torch.int64)
+            return out
+
+        rows = self.chan.sync("draft", decide, (self.batch, width)).tolist()
+        return [Selection(row[2 : 2 + row[0]], row[1]) for row in rows]
+
+    # --- accept ---------------------------------------------------------------------------------------------
+    def accept(self, vtrees: list[VerifyTree], logits: torch.Tensor, max_depth: int) -> list[Commit]:
+        width = 2 + max_depth
+        local = self.config.debug_skip_decision_broadcast
+
+        def decide():
+            commits = self._local_greedy(vtrees, logits) if local else self._decide_accept(vtrees, logits)
+            out = torch.full((len(commits), width), -1, dtype=torch.int64)
+            for b, c in enumerate(commits):
+                out[b, 0], out[b, 1] = len(c.path), c.bonus
+                out[b, 2 : 2 + len(c.path)] = torch.tensor(c.path, dtype=torch.int64)
+            return out
+
+        rows = self.chan.sync("verify", decide, (self.batch, width), local=local).tolist()
+        return [Commit(row[2 : 2 + row[0]], row[1]) for row in rows]
+
+    @staticmethod
+    def _local_greedy(vtrees: list[VerifyTree], logits: torch.Tensor) -> list[Commit]:
+        """A rank's own decision from its own logits: what ranks do without the broadcast (the bug)."""
+        commits, off = [], 0
+        for vt in vtrees:
+            rows = logits[off : off + vt.size]
+            path, bonus = verify_greedy(vt, lambda node, _toks, rows=rows: int(torch.argmax(rows[node])))
+            commits.append(Commit(path, bonus))
+            off += vt.size
+        return commits
+
+    def _decide_accept(self, vtrees: list[VerifyTree], logits: torch.Tensor) -> list[Commit]:
+        spec = self.spec
+        commits, off = [], 0
+        for seq, vt in zip(self.leader.seqs, vtrees):
+            rows = logits[off : off + vt.size]
+            off += vt.size
+            p = seq.params
+
+            def processed(node: int, path_tokens: list[int], rows=rows, seq=seq) -> torch.Tensor:
+                row = rows[node]
+                if seq.params.has_penalties:
+                    row = row.clone()
+                    apply_penalties(row, seq.params, seq.token_ids[: seq.num_prompt], seq.output_ids + path_tokens)
+                return row
+
+            if p.greedy:
+                path, bonus = verify_greedy(vt, lambda node, toks, f=processed: int(torch.argmax(f(node, toks))))
+            else:
+                path, bonus = verify_sampling(vt, lambda node, toks, f=processed, p=p: filter_probs(f(node, toks), p),
+                                              seq.generator, spec.accept_threshold_single, spec.accept_threshold_acc)
+            commits.append(Commit(path, bonus))
+        return commits

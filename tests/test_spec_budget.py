@@ -1,0 +1,116 @@
+"""Rank 0's cost-aware tree and the free context drafts: the choices follow the cost table, output never changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from conftest import chat
+from helpers import save_copy_eagle_head
+
+from speculative import budget
+from speculative.budget import Candidate, CostTable, Estimates
+from speculative.context import context_draft
+from speculative.defaults import default_spec_config
+from speculative.tree import DraftTree, build_verify_tree
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.model_config import load_model_config
+from worker.model_files import resolve_model
+from worker.sampling import SamplingParams
+
+PASSAGE = ("The old lighthouse stood on the rocky cliff for more than a hundred years. Every night its keeper climbed "
+           "the narrow stairs to light the lamp, and every morning he wrote the weather in a small blue book.")
+FLAT = {"verify_seconds": {"1": 0.01, "64": 0.01}}  # verifying is free: every candidate pays
+STEEP = {"verify_seconds": {"1": 0.01, "2": 1.0}}  # a second row costs 100 steps: nothing pays
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0)
+
+
+# --- the pieces, without an engine ---------------------------------------------------------------------------
+def test_context_draft_follows_the_latest_full_match():
+    assert context_draft([5, 6, 7, 8, 9, 5, 6], 3, 3) == ([7, 8, 9], 2)
+    assert context_draft([1, 2, 3, 1, 2, 4, 1, 2], 3, 1) == ([4], 2)  # the latest of two matches
+    assert context_draft([1, 1, 1, 1, 1, 1, 1, 1, 1], 3, 4) == ([1, 1, 1, 1], 3)  # periodic: an earlier full match
+    assert context_draft([3, 4, 5], 3, 4) == ([], 0)
+
+
+def test_choose_verifies_what_pays_and_nothing_else():
+    cands = [Candidate(0.9, 0, budget.EAGLE, 0), Candidate(0.5, 0, budget.CONTEXT, 0),
+             Candidate(0.05, 0, budget.EAGLE, 1)]
+    flat, steep = CostTable.from_json(FLAT), CostTable.from_json(STEEP)
+    assert len(budget.choose(cands, 1, flat, 0.0)[0]) == 3
+    assert budget.choose(cands, 1, steep, 0.0)[0] == []
+    # 10 ms for the root, +1 ms a row: 0.9 and 0.5 pay for their row, 0.05 does not
+    linear = CostTable((1, 11), (0.010, 0.020))
+    assert [c.prob for c in budget.choose(cands, 1, linear, 0.0)[0]] == [0.9, 0.5]
+
+
+def test_plan_step_picks_plain_when_drafting_cannot_pay():
+    est = Estimates(eagle_prior=4.0)
+    ctx = [budget.context_candidates(0, 3, 0.5)]
+    assert budget.plan_step(est, CostTable.from_json(STEEP), ctx, 4)[0] == budget.PLAIN
+    assert budget.plan_step(est, CostTable.from_json(FLAT), ctx, 4)[0] == budget.DRAFT
+    est.eagle_gain = 0.0  # a head that never hits: free context candidates alone
+    assert budget.plan_step(est, CostTable.from_json(FLAT), ctx, 4) == (budget.CONTEXT_ONLY, [3])
+
+
+def test_context_chain_merges_into_the_draft_tree():
+    t = DraftTree()
+    a = t.add(11, -1, -0.1)
+    t.add(12, a, -0.2)
+    t.add(21, -1, -2.0)
+    vt = build_verify_tree(7, t, [0, 1, 2], [11, 12, 13])
+    assert vt.tokens == [7, 11, 12, 21, 13] and vt.parents == [-1, 0, 1, 0, 2]
+    assert vt.sources == [0, budget.EAGLE | budget.CONTEXT, budget.EAGLE | budget.CONTEXT, budget.EAGLE,
+                          budget.CONTEXT]
+
+
+# --- in the engine ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def copy_head(tmp_path_factory, smol_dir):
+    return save_copy_eagle_head(tmp_path_factory.mktemp("copy-head"),
+                                load_model_config(resolve_model("smollm2-135m-instruct")))
+
+
+def _table(tmp_path, data: dict) -> str:
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_path):
+    prompts = [smol_engine.encode(p) for p in ["A A A A A A A A", "The capital of France is", "1 2 3 1 2 3 1 2"]]
+    params = [SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)] * len(prompts)
+    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
+    spec = dataclasses.replace(default_spec_config(), draft_model_path=str(copy_head), num_steps=3, eagle_topk=2,
+                               num_draft_tokens=6)
+    stats = {}
+    for name, table in (("steep", STEEP), ("flat", FLAT)):
+        cfg = EngineConfig(dtype="float32", max_total_tokens=4096,
+                           spec=dataclasses.replace(spec, cost_table=_table(tmp_path, table)))
+        with Engine(cfg) as eng:
+            assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+            stats[name] = dict(eng.stats.values)
+    assert stats["steep"]["spec_verify_steps"] == 0 and stats["steep"]["spec_drafted_steps"] == 0  # plain steps
+    assert stats["flat"]["spec_drafted_steps"] >= stats["flat"]["spec_verify_steps"] / 2 > 0
+    assert stats["flat"]["spec_accepted_tokens"] > 10
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_context_drafts_copy_a_passage_several_tokens_a_step(smol_engine, tmp_path, tp):
+    prompt = smol_engine.encode(chat(smol_engine, f"Repeat this passage exactly:\n\n{PASSAGE}"))
+    ref = smol_engine.generate([prompt], _greedy(48))[0].token_ids
+    spec = dataclasses.replace(default_spec_config(), cost_table=_table(tmp_path, FLAT))
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=4096, tp_size=tp, spec=spec)) as eng:
+        out = eng.generate([prompt], _greedy(48))[0].token_ids
+        s = eng.stats.values
+    assert out == ref
+    per_step = s["spec_accepted_tokens"] / s["spec_verify_steps"]
+    print(f"tp={tp}: {per_step:.2f} accepted tokens per step, {s['spec_context_accepted_tokens']} from the context, "
+          f"{s['spec_eagle_accepted_tokens']} from EAGLE")
+    assert per_step >= 3
+    assert s["spec_context_accepted_tokens"] > s["spec_eagle_accepted_tokens"]
