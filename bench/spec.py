@@ -218,8 +218,13 @@ def main() -> None:
                       f"{src['spec_verify_steps']}", flush=True)
                 if (steps, topk, ndt) == settings[0] and variant == "default":
                     for c in [int(x) for x in args.concurrency.split(",") if x]:
-                        p_tps = concurrent(plain, prompts, args.max_tokens, c)
-                        s_tps = concurrent(spec, prompts, args.max_tokens, c)
+                        # plain, EAGLE, EAGLE, plain: the machine drifts within a run, and order alone moved a
+                        # single pair by 15% here
+                        p1, s1 = concurrent(plain, prompts, args.max_tokens, c), concurrent(spec, prompts,
+                                                                                          args.max_tokens, c)
+                        s2, p2 = concurrent(spec, prompts, args.max_tokens, c), concurrent(plain, prompts,
+                                                                                          args.max_tokens, c)
+                        p_tps, s_tps = (p1 + p2) / 2, (s1 + s2) / 2
                         results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps}
                         print(f"concurrency {c}: plain {p_tps:.1f} tok/s  EAGLE {s_tps:.1f} tok/s  "
                               f"({s_tps / p_tps:.2f}x)", flush=True)

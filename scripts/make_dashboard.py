@@ -5,30 +5,37 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-Q = "histogram_quantile({q}, sum by (le{by}) (rate(eaglegate:{m}_bucket[1m])))"
+Q = "histogram_quantile({q}, sum by (le{by}) (rate(eaglegate_{m}_bucket[1m])))"
 
 PANELS = [
     ("Speculative decoding", None, None, []),
     ("Accept length per verify step (mean, p50, p90)", "short", "timeseries", [
-        ("mean", "sum(rate(eaglegate:spec_accept_length_sum[1m])) / sum(rate(eaglegate:spec_accept_length_count[1m]))"),
+        ("mean", "sum(rate(eaglegate_spec_accept_length_sum[1m])) / sum(rate(eaglegate_spec_accept_length_count[1m]))"),
         ("p50", Q.format(q=0.5, by="", m="spec_accept_length")),
         ("p90", Q.format(q=0.9, by="", m="spec_accept_length")),
     ]),
     ("Acceptance by draft position (accepted per verify step)", "percentunit", "timeseries", [
-        ("position {{position}}", "sum by (position) (rate(eaglegate:spec_accepted_tokens_per_position_total[1m])) "
-                                  "/ ignoring(position) group_left sum(rate(eaglegate:spec_verify_steps_total[1m]))"),
+        ("position {{position}}", "sum by (position) (rate(eaglegate_spec_accepted_tokens_per_position_total[1m])) "
+                                  "/ ignoring(position) group_left sum(rate(eaglegate_spec_verify_steps_total[1m]))"),
     ]),
     ("Draft acceptance rate", "percentunit", "timeseries", [
-        ("accepted / proposed", "sum(rate(eaglegate:spec_accepted_tokens_total[1m])) "
-                                "/ sum(rate(eaglegate:spec_draft_tokens_total[1m]))"),
+        ("accepted / proposed", "sum(rate(eaglegate_spec_accepted_tokens_total[1m])) "
+                                "/ sum(rate(eaglegate_spec_draft_tokens_total[1m]))"),
+    ]),
+    ("Accepted draft tokens per second by source (EAGLE head, context lookup)", "short", "timeseries", [
+        ("{{source}} accepted", "sum by (source) (rate(eaglegate_spec_source_accepted_tokens_total[1m]))"),
+        ("{{source}} proposed", "sum by (source) (rate(eaglegate_spec_source_draft_tokens_total[1m]))"),
+    ]),
+    ("Decode steps by kind (rank 0's budget)", "short", "timeseries", [
+        ("{{kind}}", "sum by (kind) (rate(eaglegate_spec_steps_total[1m]))"),
     ]),
     ("Rank-0 decision sync latency (p50, p99)", "s", "timeseries", [
         ("p50 {{kind}}", Q.format(q=0.5, by=", kind", m="decision_sync_latency_seconds")),
         ("p99 {{kind}}", Q.format(q=0.99, by=", kind", m="decision_sync_latency_seconds")),
     ]),
     ("Rank divergences and consistency checks", "short", "timeseries", [
-        ("divergences (5m)", "sum(increase(eaglegate:rank_divergences_total[5m]))"),
-        ("checks/s", "sum(rate(eaglegate:rank_consistency_checks_total[1m]))"),
+        ("divergences (5m)", "sum(increase(eaglegate_rank_divergences_total[5m]))"),
+        ("checks/s", "sum(rate(eaglegate_rank_consistency_checks_total[1m]))"),
     ]),
     ("Latency", None, None, []),
     ("Time to first token (p50, p90, p99)", "s", "timeseries", [
@@ -41,18 +48,18 @@ PANELS = [
         (f"p{int(q * 100)}", Q.format(q=q, by="", m="queue_time_seconds")) for q in (0.5, 0.99)]),
     ("Load", None, None, []),
     ("Throughput (tokens/s)", "short", "timeseries", [
-        ("generated", "sum(rate(eaglegate:generation_tokens_total[1m]))"),
-        ("prompt", "sum(rate(eaglegate:prompt_tokens_total[1m]))"),
+        ("generated", "sum(rate(eaglegate_generation_tokens_total[1m]))"),
+        ("prompt", "sum(rate(eaglegate_prompt_tokens_total[1m]))"),
     ]),
     ("Requests running and waiting", "short", "timeseries", [
-        ("running", "sum(eaglegate:num_requests_running)"),
-        ("waiting", "sum(eaglegate:num_requests_waiting)"),
+        ("running", "sum(eaglegate_num_requests_running)"),
+        ("waiting", "sum(eaglegate_num_requests_waiting)"),
     ]),
-    ("KV cache usage", "percentunit", "timeseries", [("used", "max(eaglegate:kv_cache_usage_ratio)")]),
+    ("KV cache usage", "percentunit", "timeseries", [("used", "max(eaglegate_kv_cache_usage_ratio)")]),
     ("Finished requests by reason (per s)", "reqps", "timeseries", [
-        ("{{finished_reason}}", "sum by (finished_reason) (rate(eaglegate:request_success_total[1m]))"),
+        ("{{finished_reason}}", "sum by (finished_reason) (rate(eaglegate_request_success_total[1m]))"),
     ]),
-    ("Engine steps per second", "short", "timeseries", [("steps", "sum(rate(eaglegate:engine_steps_total[1m]))")]),
+    ("Engine steps per second", "short", "timeseries", [("steps", "sum(rate(eaglegate_engine_steps_total[1m]))")]),
 ]
 
 

@@ -1,4 +1,4 @@
-"""`eaglegate` command line: serve (default), fetch-model, generate, train-draft. SGLang's flag names."""
+"""`eaglegate` command line: serve (default), fetch-model, generate, train-draft, distill. SGLang's flag names."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--debug-rank-logit-noise", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--debug-skip-decision-broadcast", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--debug-corrupt-decision", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -100,6 +101,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         rank_consistency_check_interval=args.rank_consistency_check_interval,
         debug_rank_logit_noise=args.debug_rank_logit_noise,
         debug_skip_decision_broadcast=args.debug_skip_decision_broadcast,
+        debug_corrupt_decision=args.debug_corrupt_decision,
     )
 
 
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("train-draft", help="train an EAGLE draft head by self-distillation (see train-draft -h)")
+    sub.add_parser("distill", help="answer every ShareGPT first turn with the target, resumably (see distill -h)")
     return parser
 
 
@@ -193,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         from speculative.train import main as train_main
 
         return train_main(argv[1:])
+    if argv[0] == "distill":
+        from speculative.distill import main as distill_main
+
+        return distill_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

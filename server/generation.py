@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from worker.engine import AsyncRequest, Engine, EngineDeadError
-from worker.protocol import RequestOutput
+from worker.protocol import ERROR_CONTEXT_LENGTH, RequestOutput
 from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
 
 from .detokenizer import IncrementalDetokenizer
@@ -155,7 +155,9 @@ class ChoiceSet:
 
     def _advance(self, c: ChoiceState, out: RequestOutput) -> ChoiceEvent:
         if out.error:
-            raise APIError(400 if "context limit" in out.error else 500, out.error)
+            bad_input = out.error_code == ERROR_CONTEXT_LENGTH
+            raise APIError(400 if bad_input else 500, out.error,
+                           "invalid_request_error" if bad_input else "internal_error", code=out.error_code)
         now = time.monotonic()
         m, lbl = self.metrics, self.metrics.labels
         if out.token_ids:

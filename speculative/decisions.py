@@ -10,6 +10,7 @@ reproducing the upstream hang class; the divergence guard then reports it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -45,12 +46,17 @@ class Selection:
 
 
 class DecisionChannel:
-    """One int64 broadcast per decision; rank 0's value wins. Counts its collectives for the guard and metrics."""
+    """One int64 broadcast per decision; rank 0's value wins. Folds every value it hands out, with a running count,
+    into a digest that the divergence guard compares across ranks (so a rank that applied anything else is caught
+    at the next check)."""
 
-    def __init__(self, tp: TPGroup):
+    def __init__(self, tp: TPGroup, corrupt_step: int = 0):
         self.tp = tp
         self.count = 0
+        self.digest = 0
+        self.step = 0  # the plan step being run (set by the caller)
         self.seconds: dict[str, list[float]] = {}
+        self.corrupt_step = corrupt_step  # test hook (--debug-corrupt-decision): alter this step's first draft value
 
     def sync(self, name: str, decide: Callable[[], torch.Tensor], shape: tuple[int, ...],
              local: bool = False) -> torch.Tensor:
@@ -65,7 +71,17 @@ class DecisionChannel:
             self.tp.broadcast_tensor(value)
             self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
             self.count += 1
+        if self.corrupt_step and self.step == self.corrupt_step and name == "draft":
+            value.view(-1)[0] += 1  # a different draft token, on this rank alone
+            self.corrupt_step = 0
+        h = hashlib.blake2b(self.digest.to_bytes(8, "little", signed=True) + name.encode(), digest_size=8)
+        h.update(value.numpy().tobytes())
+        self.digest = int.from_bytes(h.digest(), "little", signed=True)
         return value
+
+    def state(self) -> list[int]:
+        """What the guard compares besides the committed lengths: the decision digest and the collective count."""
+        return [self.digest, self.count]
 
 
 @dataclass

@@ -80,9 +80,11 @@ class SpecLeader(Leader):
             if kind != budget.DRAFT:
                 est.skip_draft()
             if kind == budget.PLAIN:
+                self._count_step(kind)
                 self.plain_step(batch)
                 est.observe_step(kind, len(seqs), time.perf_counter() - started - cost.verify(len(seqs)))
                 return
+        self._count_step(kind)
         self.step_no += 1
         step = SpecStep([SpecSeq(s.num_cached, list(s.block_table), s.draft_cached,
                                  s.token_ids[s.draft_cached + 1 : s.num_cached + 1], ids)
@@ -98,10 +100,14 @@ class SpecLeader(Leader):
             m.setdefault(f"{name}_sync", []).extend(seconds)
         for key, value in result.timings.items():
             m.setdefault(f"spec_{key}_seconds", []).append(value)
-        self.check(plan, _committed(step, result.commits))
+        self.check(plan, _committed(step, result.commits) + self.channel.state())
         if cost is not None:
             rows = sum(vt.size for vt in result.trees)
             est.observe_step(kind, len(seqs), time.perf_counter() - started - cost.verify(rows))
+
+    def _count_step(self, kind: str) -> None:
+        kinds = self.step_metrics.setdefault("spec_steps", {})
+        kinds[kind] = kinds.get(kind, 0) + 1
 
     def _apply(self, seqs: list[Sequence], step: SpecStep, result: SpecResult, context_n: list[int]) -> None:
         m, t, est = self.step_metrics, self.totals, self.estimates
@@ -159,11 +165,12 @@ def make_spec_leader(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> 
 def make_spec_follower(config: EngineConfig, runner: ModelRunner, tp: TPGroup):
     """A non-zero rank's speculative step: the same forwards, rank 0's decisions, the guard."""
     worker = SpecWorker(config, runner, tp)
-    channel = DecisionChannel(tp)
+    channel = DecisionChannel(tp, config.debug_corrupt_decision if tp.rank == tp.size - 1 else 0)
 
     def step(plan: StepPlan) -> None:
         spec: SpecStep = plan.spec
+        channel.step = plan.step
         result = worker.run(spec, SpecDecisions(channel, config, len(spec.seqs), None))
-        maybe_check(config, tp, plan, _committed(spec, result.commits))
+        maybe_check(config, tp, plan, _committed(spec, result.commits) + channel.state())
 
     return step

@@ -40,6 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (also holds data.pt and checkpoint.pt)")
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
+    p.add_argument("--distilled", action="store_true",
+                   help="train on the committed answers of `eaglegate distill` (speculative/distilled/) instead of "
+                        "generating --num-prompts answers")
     p.add_argument("--conversations", type=int, default=0,
                    help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)")
     p.add_argument("--init-from", default=None, help="warm-start from this eaglegate head folder (same --kind)")

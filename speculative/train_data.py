@@ -32,6 +32,8 @@ def generate_answers(args, out: Path) -> list[Example]:
     cache = out / "answers.pt"
     if cache.exists():
         return torch.load(cache, weights_only=False)
+    if getattr(args, "distilled", False):
+        return distilled_examples(args)
     if not args.num_prompts:
         return []
     from worker.engine import Engine
@@ -50,6 +52,23 @@ def generate_answers(args, out: Path) -> list[Example]:
                 for p, r in zip(ids, results)]
     torch.save(examples, cache)
     return examples
+
+
+def distilled_examples(args) -> list[Example]:
+    """The committed answers of `eaglegate distill`, each after its ShareGPT prompt rendered with the chat template."""
+    from worker.tokenizer import load_tokenizer
+
+    from .data import sharegpt_first_turns
+    from .distill import read_answers
+
+    tok = load_tokenizer(resolve_model(args.model_path))
+    prompts = sharegpt_first_turns()
+    examples = []
+    for i, answer in tqdm(sorted(read_answers().items()), desc="distilled answers", unit="answer"):
+        if answer:
+            p = chat_ids(tok, [{"role": "user", "content": prompts[i]}], True)
+            examples.append(((p + answer)[: args.max_len], [(len(p), min(len(p) + len(answer), args.max_len))]))
+    return [e for e in examples if e[1][0][0] < e[1][0][1]]
 
 
 def conversation_example(tok, messages: list[dict], max_len: int) -> Example:

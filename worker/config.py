@@ -64,6 +64,8 @@ class EngineConfig:
     rank_consistency_check_interval: int = 1
     debug_rank_logit_noise: float = 0.0
     debug_skip_decision_broadcast: bool = False
+    debug_collective_trace: str | None = None  # tests: each rank writes its collectives to DIR/rank{r}.json
+    debug_corrupt_decision: int = 0  # tests: at this step the last rank alters one applied draft decision
     startup_timeout: float = 600.0
 
     def replace(self, **changes) -> EngineConfig:

@@ -18,6 +18,11 @@ class TPGroup:
     device: torch.device
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    trace: list | None = None  # tests (--debug-collective-trace): (collective, shape, dtype) of each call
+
+    def _record(self, name: str, x: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append((name, list(x.shape), str(x.dtype).removeprefix("torch.")))
 
     @property
     def is_leader(self) -> bool:
@@ -25,6 +30,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            self._record("all_reduce", x)
             if x.dtype == torch.bfloat16 and x.device.type == "cpu":
                 # sum the ranks' partials in float32 and round once (gloo would round after every addition)
                 wide = x.float()
@@ -36,6 +42,7 @@ class TPGroup:
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        self._record("all_gather", x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -43,6 +50,7 @@ class TPGroup:
     def broadcast_tensor(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank src's tensor overwrites everyone's (control group, so CPU tensors)."""
         if self.size > 1:
+            self._record("broadcast", x)
             dist.broadcast(x, src=src, group=self.cpu_group)
         return x
 
@@ -58,6 +66,7 @@ class TPGroup:
         dist.broadcast(length, src=src, group=self.cpu_group)
         if self.rank != src:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._record("broadcast_object", payload)
         dist.broadcast(payload, src=src, group=self.cpu_group)
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
@@ -65,6 +74,7 @@ class TPGroup:
         """Gather a small int64 vector from every rank: [size, n]. Used by the divergence guard."""
         if self.size == 1:
             return values.unsqueeze(0)
+        self._record("all_gather_int64", values)
         out = [torch.empty_like(values) for _ in range(self.size)]
         dist.all_gather(out, values, group=self.cpu_group)
         return torch.stack(out)

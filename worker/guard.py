@@ -20,12 +20,19 @@ class RankDivergenceError(RuntimeError):
 
 
 def fingerprint(plan: StepPlan, committed: list[int]) -> int:
-    """64-bit digest of the batch (seq lens, input tokens) and each sequence's committed token count."""
+    """64-bit digest of the plan each rank ran (seq lens, input tokens; for a speculative step each sequence's
+    context and draft lengths, its context candidates and whether it drafted) and of what it committed (token
+    counts; for speculation the accepted path, bonus token, and the decision channel's digest and count)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("<q", plan.step))
     for ctx, q, _ in plan.seqs:
         h.update(struct.pack("<qq", ctx, q))
     h.update(struct.pack(f"<{len(plan.input_ids)}q", *plan.input_ids))
+    if plan.spec is not None:
+        h.update(struct.pack("<q", int(plan.spec.draft)))
+        for q in plan.spec.seqs:
+            h.update(struct.pack(f"<qqq{len(q.context_ids)}q", q.ctx_len, q.draft_cached, len(q.extend_ids),
+                                 *q.context_ids))
     h.update(struct.pack(f"<{len(committed)}q", *committed))
     return struct.unpack("<q", h.digest())[0]
 

@@ -9,7 +9,7 @@ import torch
 from .config import EngineConfig
 from .dist import TPGroup
 from .guard import check_consistency, fingerprint
-from .protocol import AbortRequest, AddRequest, RequestOutput, StepPlan, StepReport
+from .protocol import ERROR_CONTEXT_LENGTH, ERROR_ENGINE, AbortRequest, AddRequest, RequestOutput, StepPlan, StepReport
 from .runner import ModelRunner
 from .sampling import apply_penalties, filter_probs, sample_from_probs, top_logprobs
 from .scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
@@ -62,6 +62,7 @@ class Leader:
                     0,
                     error=f"prompt has {n} tokens; it must have between 1 and "
                     f"{self.max_model_len - 1} (the context limit)",
+                    error_code=ERROR_CONTEXT_LENGTH,
                 )
             )
             return
@@ -174,7 +175,8 @@ class Leader:
         for seq in list(self.scheduler.by_request.values()):
             self.scheduler.finish(seq, "error")
             self.outputs.append(
-                RequestOutput(seq.request_id, [], None, "error", seq.num_prompt, len(seq.output_ids), error=message)
+                RequestOutput(seq.request_id, [], None, "error", seq.num_prompt, len(seq.output_ids), error=message,
+                              error_code=ERROR_ENGINE)
             )
 
 

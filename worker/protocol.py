@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from .sampling import SamplingParams, TokenLogprobs
 
+ERROR_CONTEXT_LENGTH = "context_length_exceeded"  # OpenAI's code for a prompt over the context limit
+ERROR_ENGINE = "engine_error"
+
 
 @dataclass
 class AddRequest:
@@ -35,6 +38,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when the request failed (finish_reason "error")
+    error_code: str | None = None  # why, for the front end's status: ERROR_CONTEXT_LENGTH (400) or ERROR_ENGINE (500)
     queue_seconds: float | None = None  # on a request's first report: arrival at rank 0 to first scheduling
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -56,7 +58,7 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
     die_with_parent()
     local = config.local_tp_size
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local))
-    outbox = None
+    outbox = tp = None
     try:
         if rank == 0:
             import zmq
@@ -67,9 +69,13 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
             outbox.connect(out_addr)
         t0 = time.monotonic()
         tp = init_group(config, rank, local_rank, init_method)
+        if config.debug_collective_trace:
+            tp.trace = []
+        source = resolve_model(config.model_path)
+        _agree(config, source, tp)
         from .runner import ModelRunner
 
-        runner = ModelRunner(config, resolve_model(config.model_path), tp, show_progress=rank == 0)
+        runner = ModelRunner(config, source, tp, show_progress=rank == 0)
         if rank == 0:
             _lead(config, runner, tp, ctx, in_addr, outbox, time.monotonic() - t0)
         else:
@@ -79,12 +85,33 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
             outbox.send_pyobj(Fatal(f"rank {rank}: {type(e).__name__}: {e}", type(e).__name__))
             outbox.close(linger=2000)  # deliver the report before exiting: os._exit drops queued messages
             ctx.term()
-        if not isinstance(e, KeyboardInterrupt):
+        from .agreement import StartupMismatchError
+
+        if isinstance(e, StartupMismatchError):
+            print(f"eaglegate rank {rank}: {e}", file=sys.stderr, flush=True)
+        elif not isinstance(e, KeyboardInterrupt):
             traceback.print_exc()
         os._exit(1)
     finally:
+        if tp is not None and tp.trace is not None:
+            with open(os.path.join(config.debug_collective_trace, f"rank{rank}.json"), "w") as f:
+                json.dump(tp.trace, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _agree(config: EngineConfig, source, tp: TPGroup) -> None:
+    """Every rank states what it will load and serve; any difference stops every rank before loading."""
+    from .agreement import agree
+    from .loader import resolve_dtype
+    from .quant import resolve_quantization
+
+    dtype = resolve_dtype(config.dtype, tp.device)
+    try:
+        method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
+    except ValueError as e:  # refused below, on every rank alike, with the loader's message
+        method = f"refused: {e}"
+    agree(config, source, tp, dtype, method)
 
 
 def _make_leader(config, runner, tp):
