@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from worker.quant import int4_linear, pack, quantize_rtn
 
@@ -73,10 +72,8 @@ def main() -> None:
             row[name + " LM head"] = round(median_ms(lambda k=kernel, w=heads[name], x=x: k(x, w), args.reps), 3)
         table[str(rows)] = row
         print(f"T={rows}: " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     OUT.mkdir(exist_ok=True)
-    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-              "threads": torch.get_num_threads(), "unit": "ms, median", "table": table}
+    result = provenance() | {"unit": "ms, median", "table": table}
     (OUT / "kernels.json").write_text(json.dumps(result, indent=2))
     print(f"results in {OUT / 'kernels.json'}")
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance
 from spec import chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
 
 from speculative.defaults import default_spec_config
@@ -112,8 +113,7 @@ def main() -> None:
         ratios[f"plain auto concurrency {c} / single-stream"] = row["plain auto"] / auto
         ratios[f"default concurrency {c} / single-stream"] = row["default (auto + EAGLE)"] / default
     results["ratios"] = ratios
-    results["command"] = " ".join([Path(sys.executable).name, *sys.argv])
-    results["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    results |= provenance()
     OUT.mkdir(exist_ok=True)
     (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     for name, r in e.items():

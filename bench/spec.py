@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
 from speculative.train_data import chat_ids
@@ -94,7 +95,7 @@ def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: i
 
 
 VARIANTS = {"default": {}, "eagle-only": {"context_tokens": 0, "cost_table": "off"},
-            "eagle+context": {"cost_table": "off"}, "budget, no context": {"context_tokens": 0}}
+            "eagle+context": {"cost_table": "off"}, "budget-no-context": {"context_tokens": 0}}
 
 
 def identity_check(draft: str, setting: tuple[int, int, int], questions: list[str], max_tokens: int) -> dict:
@@ -181,6 +182,7 @@ def main() -> None:
                          "the served default)")
     ap.add_argument("--variants", default="default",
                     help=f"comma-separated speculation variants of the first setting: {', '.join(VARIANTS)}")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparison")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--name", default="spec", help="results go to bench/out/NAME.json and NAME.png")
     ap.add_argument("--identity-check", type=int, default=5,
@@ -235,10 +237,11 @@ def main() -> None:
             **results["float32_identity"]), flush=True)
     results["concurrency"]["1"] = {"plain": results["settings"][0]["plain_tok_s"],
                                    "spec": results["settings"][0]["spec_tok_s"]}
-    lc = llama_cpp_tok_s(questions, args.max_tokens)
+    lc = None if args.no_llama_cpp else llama_cpp_tok_s(questions, args.max_tokens)
     results["llama_cpp_tok_s"] = lc
-    print(f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s" if lc else
+    print(f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s" if lc else "llama.cpp: skipped" if args.no_llama_cpp else
           "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped")
+    results |= provenance()
     OUT.mkdir(exist_ok=True)
     (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / f"{args.name}.png")

@@ -64,7 +64,9 @@ def spec_server(tiny_llama, tmp_path_factory):
         str(tiny_llama))))
     server = _server(tiny_llama, ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head),
                                   "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-                                  "--speculative-num-draft-tokens", "6"])
+                                  "--speculative-num-draft-tokens", "6",
+                                  # every step drafts, so each rate() window holds accept lengths
+                                  "--speculative-cost-table", "off"])
     yield server
     server.stop()
 
