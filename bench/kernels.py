@@ -4,7 +4,7 @@ prepacked bfloat16, plus the tied 49152-row LM head.
 
     .venv/bin/python bench/kernels.py [--rows 1,2,3,4,5,6,8,16,64] [--reps 7]
 
-Writes bench/out/kernels.json (medians in ms, with the command and commit).
+Writes bench/results/kernels.json (medians in ms, with the command and commit).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from provenance import provenance
 
 from worker.quant import int4_linear, pack, quantize_rtn
 
-OUT = Path(__file__).parent / "out"
+OUT = Path(__file__).parent / "results"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # qkv, o, gate_up, down
 

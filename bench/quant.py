@@ -5,7 +5,7 @@ same GGUF with 2 threads; concurrency 4 and 16; peak resident memory of each wor
     .venv/bin/python bench/quant.py [--limit 80] [--max-tokens 128]   (make bench-quant)
 
 All engines are loaded at once and measured question by question in rotating order, so machine noise hits each
-alike; llama.cpp runs after them on the same questions. Writes bench/out/quant.json with the command and commit.
+alike; llama.cpp runs after them on the same questions. Writes bench/results/quant.json with the command and commit.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from worker.engine import Engine
 from worker.model_files import GGUF_NAME, fetch_default_model
 from worker.sampling import SamplingParams
 
-OUT = Path(__file__).parent / "out"
+OUT = Path(__file__).parent / "results"
 KV_TOKENS = 16384
 
 

@@ -28,7 +28,7 @@ from worker.engine import Engine
 from worker.model_files import GGUF_NAME, eaglegate_home, fetch_default_model
 from worker.sampling import SamplingParams
 
-OUT = Path(__file__).parent / "out"
+OUT = Path(__file__).parent / "results"
 
 
 def mtbench_first_turns(limit: int) -> list[str]:
@@ -184,7 +184,7 @@ def main() -> None:
                     help=f"comma-separated speculation variants of the first setting: {', '.join(VARIANTS)}")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparison")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
-    ap.add_argument("--name", default="spec", help="results go to bench/out/NAME.json and NAME.png")
+    ap.add_argument("--name", default="spec", help="results go to bench/results/NAME.json and NAME.png")
     ap.add_argument("--identity-check", type=int, default=5,
                     help="also compare outputs in float32 on this many questions (bfloat16 verify and decode "
                          "kernels round differently, so bf16 greedy outputs may part at near-ties)")

@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-algorithm",
         default=None,
         choices=["NONE", "EAGLE", "EAGLE3"],
-        help="default: EAGLE with the shipped head for the default model, else NONE",
+        help="EAGLE takes an EAGLE-1/2 or EAGLE-3 head (its config says which); EAGLE3 insists on EAGLE-3. Default: "
+             "EAGLE3 with the shipped head for the default model, else NONE",
     )
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)

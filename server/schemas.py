@@ -86,12 +86,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

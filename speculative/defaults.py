@@ -6,18 +6,17 @@ from pathlib import Path
 
 from worker.config import DEFAULT_MODEL, SpecConfig
 
-DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle"
+DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 # the shipped head is EAGLE-3 (see its card). On the default int4 weights a one-token draft (s1 k1 n2) is the fastest
-# tree on the 2-core CPU (bench/spec_profile.py: 1.09x plain, accept length 1.35): a verify of 2 rows costs about one
-# decode step, while each further row costs ~4 ms of verify plus ~3 ms of drafting and the head accepts too few of
-# them (s2k1n3 0.91x, s4k2n6 0.62x at accept length 1.67)
+# tree on the 2-core CPU: a 2-row verify costs about one decode step, while each further row costs verify and
+# drafting time that the head's few accepted tokens do not repay (README, "Benchmarks"; bench/spec_profile.py)
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 1, 1, 2
-# decode batches of 4+ fill the CPU already: speculation ran at 0.88x / 0.67x plain at concurrency 4 / 16
+# decode batches of 4+ fill the CPU already, and speculation there lost to plain decoding (README, "Benchmarks")
 DEFAULT_DISABLE_BATCH_SIZE = 4
 
 
 def default_spec_config() -> SpecConfig:
-    return SpecConfig("EAGLE", str(DEFAULT_HEAD), num_steps=DEFAULT_STEPS, eagle_topk=DEFAULT_TOPK,
+    return SpecConfig("EAGLE3", str(DEFAULT_HEAD), num_steps=DEFAULT_STEPS, eagle_topk=DEFAULT_TOPK,
                       num_draft_tokens=DEFAULT_DRAFT_TOKENS, disable_batch_size=DEFAULT_DISABLE_BATCH_SIZE)
 
 
@@ -29,7 +28,7 @@ def resolve_spec_config(args) -> SpecConfig:
             algo = "EAGLE" if args.speculative_draft_model_path else "NONE"
         else:
             d = default_spec_config()
-            return SpecConfig("EAGLE", d.draft_model_path,
+            return SpecConfig(d.algorithm, d.draft_model_path,
                               num_steps=args.speculative_num_steps or d.num_steps,
                               eagle_topk=args.speculative_eagle_topk or d.eagle_topk,
                               num_draft_tokens=args.speculative_num_draft_tokens or d.num_draft_tokens,

@@ -12,7 +12,7 @@ import time
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.leader import Leader, maybe_check
-from worker.protocol import StepPlan
+from worker.protocol import SpecPlan, SpecSeq
 from worker.runner import ModelRunner
 from worker.scheduler import ScheduledSeq, Sequence
 
@@ -20,11 +20,10 @@ from . import budget
 from .budget import Estimates
 from .context import context_draft
 from .decisions import Commit, DecisionChannel, LeaderState, SpecDecisions
-from .plan import SpecSeq, SpecStep
 from .worker import SpecResult, SpecWorker
 
 
-def _committed(step: SpecStep, commits: list[Commit]) -> list[int]:
+def _committed(step: SpecPlan, commits: list[Commit]) -> list[int]:
     out = []
     for q, c in zip(step.seqs, commits):
         out += [q.ctx_len + 1 + len(c.path), c.bonus, *c.path]
@@ -86,11 +85,10 @@ class SpecLeader(Leader):
                 return
         self._count_step(kind)
         self.step_no += 1
-        step = SpecStep([SpecSeq(s.num_cached, list(s.block_table), s.draft_cached,
-                                 s.token_ids[s.draft_cached + 1 : s.num_cached + 1], ids)
-                         for s, (ids, _) in zip(seqs, found)], kind == budget.DRAFT)
-        plan = StepPlan(self.step_no, "spec", spec=step)
-        self.broadcast_plan(plan)
+        step = SpecPlan(self.step_no, [SpecSeq(s.num_cached, list(s.block_table), s.draft_cached,
+                                               s.token_ids[s.draft_cached + 1 : s.num_cached + 1], ids)
+                                       for s, (ids, _) in zip(seqs, found)], kind == budget.DRAFT)
+        self.broadcast_plan(step)
         lead = LeaderState(seqs, self.worker.head, cost, est, [n for _, n in found])
         self.channel.seconds = {}
         result: SpecResult = self.worker.run(step, SpecDecisions(self.channel, self.config, len(seqs), lead))
@@ -100,7 +98,7 @@ class SpecLeader(Leader):
             m.setdefault(f"{name}_sync", []).extend(seconds)
         for key, value in result.timings.items():
             m.setdefault(f"spec_{key}_seconds", []).append(value)
-        self.check(plan, _committed(step, result.commits) + self.channel.state())
+        self.check(step, _committed(step, result.commits) + self.channel.state())
         if cost is not None:
             rows = sum(vt.size for vt in result.trees)
             est.observe_step(kind, len(seqs), time.perf_counter() - started - cost.verify(rows))
@@ -109,7 +107,7 @@ class SpecLeader(Leader):
         kinds = self.step_metrics.setdefault("spec_steps", {})
         kinds[kind] = kinds.get(kind, 0) + 1
 
-    def _apply(self, seqs: list[Sequence], step: SpecStep, result: SpecResult, context_n: list[int]) -> None:
+    def _apply(self, seqs: list[Sequence], step: SpecPlan, result: SpecResult, context_n: list[int]) -> None:
         m, t, est = self.step_metrics, self.totals, self.estimates
         per_pos = m.setdefault("accepted_per_position", [0] * self.worker.max_depth)
         off, eagle_accepted = 0, []
@@ -167,10 +165,9 @@ def make_spec_follower(config: EngineConfig, runner: ModelRunner, tp: TPGroup):
     worker = SpecWorker(config, runner, tp)
     channel = DecisionChannel(tp, config.debug_corrupt_decision if tp.rank == tp.size - 1 else 0)
 
-    def step(plan: StepPlan) -> None:
-        spec: SpecStep = plan.spec
+    def step(plan: SpecPlan) -> None:
         channel.step = plan.step
-        result = worker.run(spec, SpecDecisions(channel, config, len(spec.seqs), None))
-        maybe_check(config, tp, plan, _committed(spec, result.commits) + channel.state())
+        result = worker.run(plan, SpecDecisions(channel, config, len(plan.seqs), None))
+        maybe_check(config, tp, plan, _committed(plan, result.commits) + channel.state())
 
     return step

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model_files import resolve_model
-from worker.protocol import StepPlan
+from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
 
 from .data import sharegpt_conversations, training_prompts
@@ -111,7 +111,7 @@ def collect(args, out: Path) -> dict:
     data: dict = {"seqs": [], "feats": [], "labels": [], "masks": [], "answers": num_answers,
                   "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
     for ids, spans in tqdm(examples, desc="recording features", unit="seq"):
-        plan = StepPlan(0, "forward", ids, [(0, len(ids), blocks)], list(range(len(ids))))
+        plan = ForwardPlan(0, ids, [(0, len(ids), blocks)], list(range(len(ids))))
         with torch.inference_mode():
             logits, hidden, aux = runner.forward(plan)
         mask = torch.zeros(len(ids), dtype=torch.bool)

@@ -15,12 +15,13 @@ from worker.attention import SeqSlice, TreeKeys, build_attention_metadata, slots
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.layers import pack_cpu_linears
+from worker.model_files import ModelLoadError
+from worker.protocol import SpecPlan
 from worker.runner import ModelRunner
 
 from .budget import CostTable
 from .decisions import Commit, Selection, SpecDecisions
 from .heads import DraftHead, load_draft_head, resolve_draft_path
-from .plan import SpecStep
 from .tree import DraftTree, VerifyTree, build_verify_tree
 
 CALIBRATION_CONTEXT = 64  # tokens of context behind the calibration forwards
@@ -43,6 +44,9 @@ class SpecWorker:
         max_pos = runner.model.rope.cos.shape[0]
         self.head: DraftHead = load_draft_head(resolve_draft_path(self.spec.draft_model_path), runner.model, tp,
                                                runner.dtype, max_pos)
+        if self.spec.algorithm.upper() == "EAGLE3" and self.head.kind != "eagle3":
+            raise ModelLoadError(f"--speculative-algorithm EAGLE3 needs an EAGLE-3 head; {self.spec.draft_model_path} "
+                                 f"is an EAGLE-1/2 head (use EAGLE, which takes either layout)")
         if runner.dtype == torch.bfloat16 and tp.device.type == "cpu":
             pack_cpu_linears(self.head)
         if self.head.kind == "eagle3":
@@ -114,7 +118,7 @@ class SpecWorker:
         return out, meta
 
     @torch.inference_mode()
-    def run(self, step: SpecStep, decisions: SpecDecisions) -> SpecResult:
+    def run(self, step: SpecPlan, decisions: SpecDecisions) -> SpecResult:
         t0 = time.perf_counter()
         trees = [DraftTree() for _ in step.seqs]
         contexts = [q.context_ids for q in step.seqs]
@@ -132,7 +136,7 @@ class SpecWorker:
         self._commit_kv(step, vtrees, commits)
         return SpecResult(commits, vtrees, selections, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2})
 
-    def _draft(self, step: SpecStep, decisions: SpecDecisions, trees: list[DraftTree], contexts) -> None:
+    def _draft(self, step: SpecPlan, decisions: SpecDecisions, trees: list[DraftTree], contexts) -> None:
         """EAGLE drafting: catch the draft's KV up with committed tokens, then grow each tree level by level
         (rank 0 picks the children, the next frontier, and whether another level can pay)."""
         s = self.spec
@@ -182,7 +186,7 @@ class SpecWorker:
             if stop:
                 break
 
-    def _verify_forward(self, step: SpecStep, vtrees: list[VerifyTree]) -> torch.Tensor:
+    def _verify_forward(self, step: SpecPlan, vtrees: list[VerifyTree]) -> torch.Tensor:
         dev = self.tp.device
         ids, pos, slices = [], [], []
         for q, vt in zip(step.seqs, vtrees):
@@ -197,7 +201,7 @@ class SpecWorker:
         self._store_features(hidden, aux, meta.slot_mapping)
         return self.runner.perturb(model.compute_logits(hidden).float())
 
-    def _commit_kv(self, step: SpecStep, vtrees: list[VerifyTree], commits: list[Commit]) -> None:
+    def _commit_kv(self, step: SpecPlan, vtrees: list[VerifyTree], commits: list[Commit]) -> None:
         """Move the accepted nodes' target KV and features to consecutive positions after the root."""
         src, dst = [], []
         for q, commit in zip(step.seqs, commits):

@@ -15,7 +15,7 @@ from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.engine import Engine
 from worker.model_files import GGUF_NAME, ModelLoadError, resolve_model
-from worker.protocol import StepPlan
+from worker.protocol import ForwardPlan
 from worker.quant import GGUF_SUPPORTED, QTensor, cat_rows, gguf_blocks, int4_linear, pack, quantize_rtn
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
@@ -132,10 +132,10 @@ def test_verify_rows_equal_decode_rows(quantized_runner, smol_engine):
     ids = smol_engine.encode(chat(smol_engine, "Describe how a bicycle works."))
     n, blocks = len(ids), list(range(r.num_blocks))
     for ctx_extra in (0, 6):  # the second puts the tree across a block and key-bucket boundary
-        toks = [int(r.forward(StepPlan(1, "forward", ids, [(0, n, blocks)], [n - 1]))[0][0].argmax())]
+        toks = [int(r.forward(ForwardPlan(1, ids, [(0, n, blocks)], [n - 1]))[0][0].argmax())]
         decoded = []
         for i in range(ctx_extra + 4):
-            logits = r.forward(StepPlan(2, "forward", [toks[-1]], [(n + i, 1, blocks)], [0]))[0][0]
+            logits = r.forward(ForwardPlan(2, [toks[-1]], [(n + i, 1, blocks)], [0]))[0][0]
             decoded.append(logits)
             toks.append(int(logits.argmax()))
         ctx = n + ctx_extra
@@ -162,7 +162,7 @@ def test_quantized_logits_match_float32_reference(quantized_runner, hf_smol, smo
     for text in [chat(smol_engine, p) for p in PROMPTS]:
         ids = tok.encode(text, add_special_tokens=False)
         n = len(ids)
-        plan = StepPlan(1, "forward", ids, [(0, n, list(range(quantized_runner.num_blocks)))], list(range(n)))
+        plan = ForwardPlan(1, ids, [(0, n, list(range(quantized_runner.num_blocks)))], list(range(n)))
         logits, _, _ = quantized_runner.forward(plan)
         with torch.no_grad():
             ref = hf_smol(torch.tensor([ids])).logits[0]
@@ -235,7 +235,7 @@ def _logits(folder, **kw) -> torch.Tensor:
     cfg = EngineConfig(model_path=str(folder), max_total_tokens=256, **kw)
     runner = ModelRunner(cfg, resolve_model(cfg.model_path), single_rank_group(torch.device("cpu")))
     ids = [5, 17, 400, 9000, 12, 77, 3]
-    plan = StepPlan(1, "forward", ids, [(0, len(ids), list(range(runner.num_blocks)))], list(range(len(ids))))
+    plan = ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))], list(range(len(ids))))
     return runner.forward(plan)[0]
 
 

@@ -8,7 +8,7 @@ from conftest import chat
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model_files import resolve_model
-from worker.protocol import StepPlan
+from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 
@@ -30,14 +30,14 @@ def test_prefill_and_decode_logits_match_transformers(hf_smol, smol_engine):
         ids = tok.encode(text, add_special_tokens=False)
         n = len(ids)
         blocks = list(range(runner.num_blocks))
-        logits, _, _ = runner.forward(StepPlan(1, "forward", ids, [(0, n, blocks)], list(range(n))))
+        logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, n, blocks)], list(range(n))))
         with torch.no_grad():
             ref = hf_smol(torch.tensor([ids])).logits[0]
         rel = ((logits - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-3, f"prompt {i}: prefill relative error {rel}"
         # one decode step on top of the cache just written
         nxt = int(ref[-1].argmax())
-        logits, _, _ = runner.forward(StepPlan(2, "forward", [nxt], [(n, 1, blocks)], [0]))
+        logits, _, _ = runner.forward(ForwardPlan(2, [nxt], [(n, 1, blocks)], [0]))
         with torch.no_grad():
             ref2 = hf_smol(torch.tensor([ids + [nxt]])).logits[0, -1]
         rel = ((logits[0] - ref2).abs().max() / ref2.abs().max()).item()
@@ -65,7 +65,7 @@ def test_other_families_match_transformers(tmp_path, smol_dir):
         runner = _runner(EngineConfig(model_path=str(folder), dtype="float32", max_total_tokens=256))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         ids = [5, 17, 400, 9000, 12, 77, 3]
-        logits, _, _ = runner.forward(StepPlan(1, "forward", ids, [(0, len(ids), list(range(runner.num_blocks)))],
+        logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))],
                                                list(range(len(ids)))))
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]

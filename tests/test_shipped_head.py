@@ -24,7 +24,7 @@ def _cli(*argv: str) -> argparse.Namespace:
 
 def test_default_model_serves_with_the_shipped_head_by_default():
     spec = resolve_spec_config(_cli())
-    assert spec.algorithm == "EAGLE" and spec.draft_model_path == str(DEFAULT_HEAD)
+    assert spec.algorithm == "EAGLE3" and spec.draft_model_path == str(DEFAULT_HEAD)
     assert spec.disable_batch_size == 4  # large decode batches decode plainly unless told otherwise
     assert resolve_spec_config(_cli("--speculative-disable-batch-size", "0")).disable_batch_size == 0
     assert (DEFAULT_HEAD / "model.safetensors").exists() and (DEFAULT_HEAD / "README.md").exists()

@@ -233,3 +233,6 @@ def test_wrong_head_gives_clear_errors(tmp_path, smol_cfg):
     with pytest.raises(EngineDeadError, match="draft head path"):
         Engine(EngineConfig(dtype="float32", max_total_tokens=512,
                             spec=SpecConfig("EAGLE", str(tmp_path / "missing"))))
+    eagle12 = save_random_eagle_head(tmp_path / "e12", smol_cfg, "eagle")
+    with pytest.raises(EngineDeadError, match="EAGLE3 needs an EAGLE-3 head"):
+        Engine(EngineConfig(dtype="float32", max_total_tokens=512, spec=SpecConfig("EAGLE3", str(eagle12))))

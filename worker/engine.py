@@ -54,7 +54,6 @@ class _Sink:
     """Where one request's outputs go: a thread-safe queue, or an asyncio queue fed from our thread."""
 
     put: Callable[[object], None]
-    done: bool = False
 
 
 @dataclass

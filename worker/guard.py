@@ -12,7 +12,7 @@ import struct
 import torch
 
 from .dist import TPGroup
-from .protocol import StepPlan
+from .protocol import ForwardPlan, SpecPlan, StepPlan
 
 
 class RankDivergenceError(RuntimeError):
@@ -25,12 +25,13 @@ def fingerprint(plan: StepPlan, committed: list[int]) -> int:
     counts; for speculation the accepted path, bonus token, and the decision channel's digest and count)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("<q", plan.step))
-    for ctx, q, _ in plan.seqs:
-        h.update(struct.pack("<qq", ctx, q))
-    h.update(struct.pack(f"<{len(plan.input_ids)}q", *plan.input_ids))
-    if plan.spec is not None:
-        h.update(struct.pack("<q", int(plan.spec.draft)))
-        for q in plan.spec.seqs:
+    if isinstance(plan, ForwardPlan):
+        for ctx, q, _ in plan.seqs:
+            h.update(struct.pack("<qq", ctx, q))
+        h.update(struct.pack(f"<{len(plan.input_ids)}q", *plan.input_ids))
+    elif isinstance(plan, SpecPlan):
+        h.update(struct.pack("<q", int(plan.draft)))
+        for q in plan.seqs:
             h.update(struct.pack(f"<qqq{len(q.context_ids)}q", q.ctx_len, q.draft_cached, len(q.extend_ids),
                                  *q.context_ids))
     h.update(struct.pack(f"<{len(committed)}q", *committed))

@@ -9,7 +9,16 @@ import torch
 from .config import EngineConfig
 from .dist import TPGroup
 from .guard import check_consistency, fingerprint
-from .protocol import ERROR_CONTEXT_LENGTH, ERROR_ENGINE, AbortRequest, AddRequest, RequestOutput, StepPlan, StepReport
+from .protocol import (
+    ERROR_CONTEXT_LENGTH,
+    ERROR_ENGINE,
+    AbortRequest,
+    AddRequest,
+    ForwardPlan,
+    RequestOutput,
+    StepPlan,
+    StepReport,
+)
 from .runner import ModelRunner
 from .sampling import apply_penalties, filter_probs, sample_from_probs, top_logprobs
 from .scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
@@ -79,7 +88,7 @@ class Leader:
         return self.scheduler.has_work()
 
     # --- one step -----------------------------------------------------------------------------------
-    def build_plan(self, batch: list[ScheduledSeq]) -> StepPlan:
+    def build_plan(self, batch: list[ScheduledSeq]) -> ForwardPlan:
         ids: list[int] = []
         seqs, rows = [], []
         for item in batch:
@@ -88,7 +97,7 @@ class Leader:
             seqs.append((s.num_cached, item.num_tokens, list(s.block_table)))
             if item.samples:
                 rows.append(len(ids) - 1)
-        return StepPlan(self.step_no, "forward", ids, seqs, rows)
+        return ForwardPlan(self.step_no, ids, seqs, rows)
 
     def step(self) -> None:
         batch = self.scheduler.schedule(self.reserve)
@@ -180,13 +189,13 @@ class Leader:
             )
 
 
-def follower_step(config: EngineConfig, runner: ModelRunner, tp: TPGroup, plan: StepPlan) -> None:
+def follower_step(config: EngineConfig, runner: ModelRunner, tp: TPGroup, plan: ForwardPlan) -> None:
     """A non-zero rank's share of a plain step: the same forward (its collectives pair with rank 0's)."""
     runner.forward(plan)
     maybe_check(config, tp, plan, committed_lengths(plan))
 
 
-def committed_lengths(plan: StepPlan) -> list[int]:
+def committed_lengths(plan: ForwardPlan) -> list[int]:
     """Token count of each sequence after the step: cached tokens, plus one if the step sampled for it."""
     sampled_ends = set(plan.sample_rows)
     out, end = [], -1

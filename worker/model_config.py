@@ -31,7 +31,6 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, as sorted items
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
@@ -79,7 +78,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling),
         eos_token_ids=eos_ids,
-        bos_token_id=hf.get("bos_token_id"),
     )
 
 
@@ -113,7 +111,6 @@ def config_from_gguf(reader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2",
         eos_token_ids=(int(eos),) if eos is not None else (),
-        bos_token_id=get("tokenizer.ggml.bos_token_id"),
     )
 
 

@@ -55,9 +55,6 @@ class StepReport:
 class Ready:
     kv_total_tokens: int
     max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    load_seconds: float
 
 
 @dataclass
@@ -67,12 +64,44 @@ class Fatal:
 
 
 @dataclass
-class StepPlan:
-    """Everything a rank needs to run one step identically to rank 0. Decided on rank 0 only."""
+class ForwardPlan:
+    """One target forward over the batch's new tokens; rank 0 samples from `sample_rows`."""
 
     step: int
-    kind: str  # "forward" | "idle" | "shutdown"
     input_ids: list[int] = field(default_factory=list)
     seqs: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (ctx_len, q_len, block_table)
     sample_rows: list[int] = field(default_factory=list)  # flat token indices whose logits are needed
-    spec: object | None = None  # a speculative decode step (speculative.plan.SpecStep) instead of the above
+
+
+@dataclass
+class SpecSeq:
+    ctx_len: int  # n: tokens with target KV; the root token x_n is extend_ids[-1]
+    block_table: list[int]
+    draft_cached: int  # positions [0, draft_cached) hold valid draft KV
+    extend_ids: list[int]  # x_{t+1} for t in [draft_cached, n): the draft catches up on these positions
+    context_ids: list[int] = field(default_factory=list)  # rank 0's prompt-lookup candidates (a chain)
+
+
+@dataclass
+class SpecPlan:
+    """A speculative decode step (speculative/): draft (unless rank 0 judged it unprofitable), verify, commit."""
+
+    step: int
+    seqs: list[SpecSeq]
+    draft: bool = True  # False: verify the root and the context candidates only
+
+
+@dataclass
+class IdlePlan:
+    """Nothing to run: the idle leader's heartbeat, so followers' collectives never time out."""
+
+    step: int
+
+
+@dataclass
+class ShutdownPlan:
+    step: int
+
+
+# everything a rank needs to run one step identically to rank 0, decided on rank 0 only
+StepPlan = ForwardPlan | SpecPlan | IdlePlan | ShutdownPlan

@@ -6,7 +6,7 @@ slices it exactly as it slices a dense weight. After loading, `pack` turns it in
 run as two 4-bit planes side by side (q = 16*hi + lo), which keeps Q8_0's codes on the same kernel. The kernel's
 scales are bfloat16, so a GGUF's fp16 scales lose 3 of their 11 significant bits: the one rounding on this path.
 
-Why this kernel: measured on the 2-core AVX-512 machine (bench/kernels.py, `bench/out/kernels.json`), all 121
+Why this kernel: measured on the 2-core AVX-512 machine (bench/kernels.py, `bench/results/kernels.json`), all 121
 linears of one SmolLM2 step take ~5 ms in int4 against ~15 ms in packed bfloat16 for up to 4 rows, and the kernel
 computes every row on its own, so a row's result does not depend on how many rows run with it: verify (T = tree
 size) and decode (T = 1) give the same bits, which keeps speculation lossless in bfloat16.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .config import EngineConfig
 from .dist import TPGroup
 from .model_files import resolve_model
-from .protocol import Fatal, Ready, Shutdown, StepPlan
+from .protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, ShutdownPlan, SpecPlan, StepPlan
 
 HEARTBEAT_S = 1.0  # an idle leader broadcasts this often so followers' collectives never time out
 
@@ -67,7 +67,6 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
             outbox = ctx.socket(zmq.PUSH)
             outbox.setsockopt(zmq.LINGER, 2000)
             outbox.connect(out_addr)
-        t0 = time.monotonic()
         tp = init_group(config, rank, local_rank, init_method)
         if config.debug_collective_trace:
             tp.trace = []
@@ -77,7 +76,7 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
 
         runner = ModelRunner(config, source, tp, show_progress=rank == 0)
         if rank == 0:
-            _lead(config, runner, tp, ctx, in_addr, outbox, time.monotonic() - t0)
+            _lead(config, runner, tp, ctx, in_addr, outbox)
         else:
             _follow(config, runner, tp)
     except BaseException as e:  # report, then exit non-zero so the supervisor fails fast
@@ -124,14 +123,13 @@ def _make_leader(config, runner, tp):
     return Leader(config, runner, tp)
 
 
-def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, load_seconds: float) -> None:
+def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox) -> None:
     import zmq
 
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(in_addr)
     leader = _make_leader(config, runner, tp)
-    outbox.send_pyobj(Ready(runner.num_blocks * runner.block_size, leader.max_model_len,
-                            runner.model_cfg.vocab_size, leader.eos_ids, load_seconds))
+    outbox.send_pyobj(Ready(runner.num_blocks * runner.block_size, leader.max_model_len))
     last_broadcast = time.monotonic()
     stopping = False
     while True:
@@ -153,7 +151,7 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, load_seconds: 
             leader.step()
             last_broadcast = time.monotonic()
         elif tp.size > 1 and time.monotonic() - last_broadcast >= HEARTBEAT_S:
-            tp.broadcast_object(StepPlan(leader.step_no, "idle"))
+            tp.broadcast_object(IdlePlan(leader.step_no))
             last_broadcast = time.monotonic()
         report = leader.take_report(stepped)
         if report is not None:
@@ -162,7 +160,7 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, load_seconds: 
     report = leader.take_report()
     if report is not None:
         outbox.send_pyobj(report)
-    tp.broadcast_object(StepPlan(leader.step_no, "shutdown"))
+    tp.broadcast_object(ShutdownPlan(leader.step_no))
 
 
 def _follow(config, runner, tp: TPGroup) -> None:
@@ -176,9 +174,9 @@ def _follow(config, runner, tp: TPGroup) -> None:
         spec_step = make_spec_follower(config, runner, tp)
     while True:
         plan: StepPlan = tp.broadcast_object()
-        if plan.kind == "shutdown":
+        if isinstance(plan, ShutdownPlan):
             return
-        if plan.kind == "forward":
+        if isinstance(plan, ForwardPlan):
             follower_step(config, runner, tp, plan)
-        elif plan.kind == "spec":
+        elif isinstance(plan, SpecPlan):
             spec_step(plan)

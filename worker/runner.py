@@ -1,4 +1,4 @@
-"""Executes a StepPlan on one rank: builds tensors, runs the sharded forward, returns logits.
+"""Executes a ForwardPlan on one rank: builds tensors, runs the sharded forward, returns logits.
 
 Every rank runs this identically; only rank 0 looks at the logits to decide anything.
 """
@@ -14,7 +14,7 @@ from .config import EngineConfig
 from .dist import TPGroup
 from .loader import load_target, resolve_dtype
 from .model_files import ModelSource
-from .protocol import StepPlan
+from .protocol import ForwardPlan
 
 
 def kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -76,7 +76,7 @@ class ModelRunner:
         return int(blocks.item())
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Run the plan's tokens; returns (logits of sample_rows in float32, hidden states, aux hidden states)."""
         dev = self.tp.device
         slices = [SeqSlice(c, q, bt) for c, q, bt in plan.seqs]

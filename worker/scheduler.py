@@ -53,7 +53,6 @@ class Sequence:
     draft_cached: int = 0  # speculative decoding: positions whose draft-head KV is valid
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    num_preemptions: int = 0
     first_scheduled: float | None = None
     reported: bool = False
     # tokens produced but not yet reported to the front end
@@ -110,7 +109,6 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.block_table)
         seq.num_cached = seq.draft_cached = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

@@ -1,0 +1,107 @@
+"""The README's benchmark tables, generated from the committed results in bench/results/ (never typed by hand).
+
+    .venv/bin/python scripts/bench_tables.py          rewrite the tables in README.md
+    .venv/bin/python scripts/bench_tables.py --check  exit 1 when README.md is stale (tests/test_readme.py)
+
+Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, NAME being a results file's stem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _source(d: dict) -> str:
+    commit = d.get("commit", "?")[:7]
+    when = f", {d['date'][:10]}" if d.get("date") else ""
+    machine = f", {d['machine']}" if d.get("machine") else ""
+    return f"_`{d.get('command', '?')}` at commit {commit}{when}{machine}._"
+
+
+def spec_table(d: dict) -> str:
+    first = d["settings"][0]
+    lc = d.get("llama_cpp_tok_s")
+    rows = ["| setting | tok/s | vs plain | vs llama.cpp | τ (per verify) | tokens per step | identical |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| plain decode (`--speculative-algorithm NONE`) | {first['plain_tok_s']:.1f} | 1.00x | "
+            f"{first['plain_tok_s'] / lc:.2f}x | | 1.00 | |" if lc else
+            f"| plain decode | {first['plain_tok_s']:.1f} | 1.00x | | | 1.00 | |"]
+    for r in d["settings"]:
+        name = "**default serve**" if r.get("variant", "default") == "default" and r is first else r["label"]
+        vs_lc = f"{r['spec_tok_s'] / lc:.2f}x" if lc else ""
+        rows.append(f"| {name} ({r['label']}) | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {vs_lc} | "
+                    f"{r['tau']:.2f} | {r.get('tokens_per_step', 0):.2f} | {r['identical']}/{r['n']} |")
+    if lc:
+        rows.append(f"| llama.cpp (same GGUF, 2 threads) | {lc:.1f} | | 1.00x | | | |")
+    out = [f"MT-bench first turns: {d['limit']} questions, {d['max_tokens']} new tokens, greedy, batch 1, "
+           "plain and speculative engines measured question by question, alternating.", "", *rows, ""]
+    src = first.get("sources")
+    if src:
+        out.append(f"Accepted candidates by source (default serve): EAGLE {src['spec_eagle_accepted_tokens']} of "
+                   f"{src['spec_eagle_tokens']} verified, context {src['spec_context_accepted_tokens']} of "
+                   f"{src['spec_context_tokens']}; the EAGLE head drafted on {src['spec_drafted_steps']} of "
+                   f"{src['spec_verify_steps']} verify steps (the others verified context candidates alone; "
+                   "plain steps rank 0 chose are not verify steps).")
+    conc = {k: v for k, v in d.get("concurrency", {}).items() if k != "1"}
+    if conc:
+        out.append("Concurrency " + ", ".join(
+            f"{c}: plain {v['plain']:.1f}, default {v['spec']:.1f} tok/s ({v['spec'] / v['plain']:.2f}x)"
+            for c, v in sorted(conc.items(), key=lambda kv: int(kv[0]))) + ".")
+    if d.get("float32_identity"):
+        f = d["float32_identity"]
+        out.append(f"float32 outputs identical {f['identical']}/{f['n']}.")
+    out += ["", _source(d)]
+    return "\n".join(out)
+
+
+def quant_table(d: dict) -> str:
+    e, lc = d["engines"], d.get("llama_cpp_tok_s")
+    rows = ["| setting | tok/s | vs llama.cpp | worker peak RSS |", "| --- | --- | --- | --- |"]
+    for name, r in e.items():
+        extra = f" (τ {r['tau']:.2f})" if "tau" in r else ""
+        rows.append(f"| {name}{extra} | {r['tok_s']:.1f} | {r['tok_s'] / lc:.2f}x | {r['peak_rss_mib']:.0f} MiB |"
+                    if lc else f"| {name}{extra} | {r['tok_s']:.1f} | | {r['peak_rss_mib']:.0f} MiB |")
+    if lc:
+        rows.append(f"| llama.cpp (same GGUF, 2 threads) | {lc:.1f} | 1.00x | |")
+    out = [f"{d['limit']} MT-bench first turns, {d['max_tokens']} new tokens, greedy, batch 1, bfloat16, engines "
+           "in rotating order.", "", *rows, ""]
+    out.append(f"Default vs plain auto outputs identical: {d['identical_default_vs_plain_auto']}/{d['limit']}. "
+               "Concurrency " + ", ".join(f"{c}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " tok/s"
+                                          for c, row in d["concurrency"].items()) + ".")
+    out += ["", _source(d)]
+    return "\n".join(out)
+
+
+TABLES = {"spec": spec_table, "quant": quant_table}
+
+
+def render(readme: str) -> str:
+    for name, fn in TABLES.items():
+        path = RESULTS / f"{name}.json"
+        pattern = re.compile(rf"(<!-- bench:{name} -->\n)(?:.*?\n)?(<!-- /bench:{name} -->)", re.S)
+        if path.exists() and pattern.search(readme):
+            table = fn(json.loads(path.read_text()))
+            readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), readme)
+    return readme
+
+
+def main() -> int:
+    readme = (ROOT / "README.md").read_text()
+    new = render(readme)
+    if "--check" in sys.argv:
+        if new != readme:
+            print("README.md's benchmark tables are stale: run scripts/bench_tables.py")
+            return 1
+        return 0
+    (ROOT / "README.md").write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
