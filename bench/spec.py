@@ -90,8 +90,8 @@ def parse_setting(text: str) -> tuple[int, int, int]:
 def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: int, **extra) -> SpecConfig:
     """The served defaults (context drafts, cost-aware budget) with this tree; `extra` overrides SpecConfig fields."""
     steps, topk, ndt = setting
-    return dataclasses.replace(default_spec_config(), draft_model_path=draft, num_steps=steps, eagle_topk=topk,
-                               num_draft_tokens=ndt, disable_batch_size=disable_batch_size, **extra)
+    return dataclasses.replace(default_spec_config(), algorithm="EAGLE", draft_model_path=draft, num_steps=steps,
+                               eagle_topk=topk, num_draft_tokens=ndt, disable_batch_size=disable_batch_size, **extra)
 
 
 VARIANTS = {"default": {}, "eagle-only": {"context_tokens": 0, "cost_table": "off"},

@@ -86,8 +86,8 @@ def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_pat
     prompts = [smol_engine.encode(p) for p in ["A A A A A A A A", "The capital of France is", "1 2 3 1 2 3 1 2"]]
     params = [SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)] * len(prompts)
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
-    spec = dataclasses.replace(default_spec_config(), draft_model_path=str(copy_head), num_steps=3, eagle_topk=2,
-                               num_draft_tokens=6)
+    spec = dataclasses.replace(default_spec_config(), algorithm="EAGLE", draft_model_path=str(copy_head), num_steps=3,
+                               eagle_topk=2, num_draft_tokens=6)
     stats = {}
     for name, table in (("steep", STEEP), ("flat", FLAT)):
         cfg = EngineConfig(dtype="float32", max_total_tokens=4096,

@@ -120,7 +120,14 @@ class Engine:
         self._from_leader.bind(out_addr)
         self._procs = self._start_workers(in_addr, out_addr)
         t0 = time.monotonic()
-        self.ready = self._wait_ready()
+        try:
+            self.ready = self._wait_ready()
+        except BaseException:  # a failed start leaks nothing: no socket, no zmq context, no ipc folder
+            self._to_leader.close()
+            self._from_leader.close()
+            self._zctx.term()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            raise
         self.load_seconds = time.monotonic() - t0
         self.stats.values = {"running": 0, "waiting": 0, "kv_used_tokens": 0,
                              "kv_total_tokens": self.ready.kv_total_tokens, "steps": 0}
