@@ -104,12 +104,10 @@ class Estimates:
     def fixed(self, kind: str, batch: int) -> float:
         if self.frozen is not None:
             return self.frozen.get(kind, 0.0)
-        mine = {b: v for (k, b), v in self.overhead.items() if k == kind}
-        return mine[min(mine, key=lambda b: (abs(b - batch), b))] if mine else 0.0
+        return _nearest({b: v for (k, b), v in self.overhead.items() if k == kind}, batch)
 
     def draft_time(self, batch: int) -> float:
-        d = self.draft_seconds
-        return d[min(d, key=lambda b: (abs(b - batch), b))] if d else 0.0
+        return _nearest(self.draft_seconds, batch)
 
     def context_p(self, n: int) -> float:
         return (self.context_hits.get(n, 0.0) + 1.0) / (self.context_trials.get(n, 0.0) + 2.0)
@@ -133,6 +131,11 @@ class Estimates:
         if offered:
             self.context_hits[n] = self.context_hits.get(n, 0.0) + accepted
             self.context_trials[n] = self.context_trials.get(n, 0.0) + accepted + (accepted < offered)
+
+
+def _nearest(by_batch: dict[int, float], batch: int) -> float:
+    """The figure measured at the nearest batch size; 0 (optimistic, so it gets tried and measured) before any."""
+    return by_batch[min(by_batch, key=lambda b: (abs(b - batch), b))] if by_batch else 0.0
 
 
 def _ema(table: dict, key, value: float) -> None:
