@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test lint bench llama-cpp bench-spec bench-quant clean
+.PHONY: setup model serve test lint bench llama-cpp bench-spec bench-quant bench-prefix clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ test: model
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check server worker speculative tests bench scripts
+	$(VENV)/bin/ruff check server runtime worker speculative training tests bench scripts
 
 bench: model
 	$(PY) bench/decode.py
@@ -44,6 +44,10 @@ bench-spec: llama-cpp
 bench-quant: llama-cpp
 	$(PY) bench/kernels.py
 	$(PY) bench/quant.py $(ARGS)
+
+# Prefix caching through two real servers (with and without the cache) under the same streamed load.
+bench-prefix: model
+	$(PY) bench/prefix.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)

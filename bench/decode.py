@@ -12,8 +12,8 @@ import time
 
 import torch
 
+from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.engine import Engine
 from worker.model_files import GGUF_NAME, fetch_default_model
 from worker.sampling import SamplingParams
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from provenance import provenance
 from spec import chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
 
+from runtime.engine import Engine
 from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig
-from worker.engine import Engine
 from worker.model_files import GGUF_NAME, fetch_default_model
 from worker.sampling import SamplingParams
 

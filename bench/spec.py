@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from provenance import provenance
 
+from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
-from speculative.train_data import chat_ids
+from training.train_data import chat_ids
 from worker.config import EngineConfig, SpecConfig
-from worker.engine import Engine
 from worker.model_files import GGUF_NAME, eaglegate_home, fetch_default_model
 from worker.sampling import SamplingParams
 

@@ -14,9 +14,9 @@ import time
 
 from spec import chat_prompt, mtbench_first_turns, parse_setting, spec_config
 
+from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD
 from worker.config import EngineConfig
-from worker.engine import Engine
 from worker.protocol import StepReport
 from worker.sampling import SamplingParams
 
@@ -49,14 +49,15 @@ def main() -> None:
         rec: dict[str, list[float]] = {}
 
         def on_step(report: StepReport, rec=rec) -> None:
-            for key, values in report.step_metrics.items():
-                if key == "accept_lengths" or (key.startswith("spec_") and key.endswith("_seconds")):
-                    rec.setdefault(key, []).extend(values)
+            m = report.step_metrics
+            rec.setdefault("accept_lengths", []).extend(m.accept_lengths)
+            for phase, seconds in m.phase_seconds.items():
+                rec.setdefault(phase, []).extend(seconds)
 
         cfg = spec_config(args.draft, (steps, topk, ndt))
         with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=8192, spec=cfg), on_step=on_step) as eng:
             n, dt = timed_tokens(eng, prompts, params, after_warmup=rec.clear)
-        phases = " ".join(f"{k[5:-8]} {1000 * statistics.mean(v):.2f}" for k, v in rec.items() if k.endswith("seconds"))
+        phases = " ".join(f"{k} {1000 * statistics.mean(v):.2f}" for k, v in rec.items() if k != "accept_lengths")
         print(f"s{steps}k{topk}n{ndt}: {n / dt:.1f} tok/s ({n / dt / plain_tps:.2f}x) accept length "
               f"{statistics.mean(rec['accept_lengths']):.2f}, step {1000 * dt / len(rec['accept_lengths']):.2f} ms = "
               f"{phases}", flush=True)

@@ -64,15 +64,18 @@ def broadcast_bench(iters: int, batch: int, steps: int) -> tuple[list[float], li
 
 
 def engine_bench(config, prompts, max_tokens: int) -> dict:
-    from worker.engine import Engine
+    from runtime.engine import Engine
     from worker.sampling import SamplingParams
 
     collected: dict[str, list[float]] = {}
 
     def on_step(report) -> None:
-        for key in ("spec_draft_seconds", "spec_verify_seconds", "verify_sync", "draft_sync", "control_sync",
-                    "accept_lengths"):
-            collected.setdefault(key, []).extend(report.step_metrics.get(key, ()))
+        m = report.step_metrics
+        collected.setdefault("accept_lengths", []).extend(m.accept_lengths)
+        for phase in ("draft", "verify"):
+            collected.setdefault(f"{phase}_phase", []).extend(m.phase_seconds.get(phase, ()))
+        for kind in ("verify", "draft", "control"):
+            collected.setdefault(f"{kind}_sync", []).extend(m.sync_seconds.get(kind, ()))
 
     with Engine(config, on_step=on_step) as eng:
         ids = [eng.encode(p) if isinstance(p, str) else p for p in prompts]
@@ -81,8 +84,8 @@ def engine_bench(config, prompts, max_tokens: int) -> dict:
         eng.generate(ids, SamplingParams(max_new_tokens=max_tokens, temperature=0, ignore_eos=True))
     med = lambda xs: statistics.median(xs) * 1000 if xs else float("nan")  # noqa: E731
     return {"accept_length": statistics.mean(collected.get("accept_lengths") or [float("nan")]),
-            "draft_ms": med(collected.get("spec_draft_seconds", [])),
-            "verify_ms": med(collected.get("spec_verify_seconds", [])),
+            "draft_ms": med(collected.get("draft_phase", [])),
+            "verify_ms": med(collected.get("verify_phase", [])),
             "verify_sync_ms": med(collected.get("verify_sync", [])),
             "draft_sync_ms": med(collected.get("draft_sync", [])),
             "control_sync_ms": med(collected.get("control_sync", []))}

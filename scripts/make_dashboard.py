@@ -60,6 +60,15 @@ PANELS = [
         ("{{finished_reason}}", "sum by (finished_reason) (rate(eaglegate_request_success_total[1m]))"),
     ]),
     ("Engine steps per second", "short", "timeseries", [("steps", "sum(rate(eaglegate_engine_steps_total[1m]))")]),
+    ("Prefix cache", None, None, []),
+    ("Prefix cache hit rate (prompt tokens not prefilled)", "percentunit", "timeseries", [
+        ("hit rate", "sum(rate(eaglegate_prefix_cache_hits_tokens_total[5m])) "
+                     "/ sum(rate(eaglegate_prefix_cache_queries_tokens_total[5m]))"),
+    ]),
+    ("Prefix cache: cached tokens and evictions", "short", "timeseries", [
+        ("cached tokens", "sum(eaglegate_prefix_cache_tokens)"),
+        ("evicted tokens/s", "sum(rate(eaglegate_prefix_cache_evicted_tokens_total[1m]))"),
+    ]),
 ]
 
 

@@ -13,12 +13,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from worker.engine import Engine
+from runtime.engine import Engine
 
 from .errors import APIError, error_body, error_response, install_error_handlers
-from .generation import ChoiceEvent, ChoiceSet, chat_prompt_ids, completion_prompts, sampling_params
+from .generation import (
+    ChoiceEvent,
+    ChoiceSet,
+    chat_prompt_ids,
+    completion_prompts,
+    request_grammar,
+    sampling_params,
+)
 from .metrics import Metrics
+from .responses import ResponseBuilder, ResponsesRequest, to_chat
 from .schemas import ChatCompletionRequest, CompletionRequest, new_id, now
+from .tools import call_grammar, held_back, parse_calls, tool_mode
 
 log = logging.getLogger("eaglegate.api")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -105,26 +114,60 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "eaglegate",
+                "max_model_len": supervisor.engine.ready.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        engine = supervisor.engine
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "eaglegate", "max_model_len": engine.ready.max_model_len}]}
+        return {"object": "list", "data": [model_card(settings.served_model_name)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model not in known_models:
+            raise APIError(404, f"model {model!r} is not served here; available: {settings.served_model_name}",
+                           "not_found_error", param="model", code="model_not_found")
+        return model_card(model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         engine = live_engine()
-        prompt = chat_prompt_ids(engine, req)
+        mode = tool_mode(req)
+        prompt = chat_prompt_ids(engine, req, mode)
+        grammar = request_grammar(req, call_grammar(req, mode))
         max_tokens = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [sampling_params(engine, req, len(prompt), max_tokens, k, i) for i in range(req.n)]
+        params = [sampling_params(engine, req, len(prompt), max_tokens, k, i, grammar) for i in range(req.n)]
         rid = new_id("chatcmpl")
         choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_stream(engine, req, rid, choices, include_usage, len(prompt)))
-        return await _collect(raw, choices, lambda evs: _chat_response(engine, req, rid, evs, len(prompt)))
+            return _sse(_chat_stream(engine, req, rid, choices, include_usage, len(prompt), mode))
+        return await _collect(raw, choices, lambda evs: _chat_response(engine, req, rid, evs, len(prompt), mode,
+                                                                        choices.cached_tokens(req.n)))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        check_model(req.model)
+        chat = to_chat(req)
+        engine = live_engine()
+        mode = tool_mode(chat)
+        prompt = chat_prompt_ids(engine, chat, mode)
+        grammar = request_grammar(chat, call_grammar(chat, mode))
+        params = [sampling_params(engine, chat, len(prompt), chat.max_completion_tokens, None, 0, grammar)]
+        build = ResponseBuilder(req)
+        choices = ChoiceSet(engine, metrics, build.id, [prompt], params, [])
+        if req.stream:
+            return _sse(_responses_stream(build, chat, choices, len(prompt), mode), events=True)
+
+        def body(events):
+            text, _, finish, n = _merge(events[0])
+            content, calls = parse_calls(text, mode, chat)
+            return build.response("completed", build.items(content, calls), finish, (len(prompt), n),
+                                  choices.cached_tokens(1))
+
+        return await _collect(raw, choices, body)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -132,7 +175,8 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         engine = live_engine()
         prompts = completion_prompts(engine, req)
         expanded = [p for p in prompts for _ in range(req.n)]
-        params = [sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n)
+        grammar = request_grammar(req)
+        params = [sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n, grammar)
                   for i, p in enumerate(expanded)]
         rid = new_id("cmpl")
         choices = ChoiceSet(engine, metrics, rid, expanded, params, req.stop)
@@ -142,7 +186,7 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(_completion_stream(engine, req, rid, choices, include_usage, prompt_tokens, echo))
         return await _collect(raw, choices, lambda evs: _completion_response(engine, req, rid, evs, prompt_tokens,
-                                                                              echo))
+                                                                              echo, choices.cached_tokens(req.n)))
 
     return app
 
@@ -170,9 +214,10 @@ async def _collect(raw: Request, choices: ChoiceSet, build) -> JSONResponse:
     return JSONResponse(build(events))
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _token_str(engine: Engine, token_id: int) -> str:
@@ -209,18 +254,23 @@ def _merge(evs: list[ChoiceEvent]) -> tuple[str, list | None, str, int]:
     return text, lps, evs[-1].finish_reason or "stop", evs[-1].completion_tokens
 
 
-def _chat_response(engine, req, rid, events, prompt_tokens) -> dict:
+def _chat_response(engine, req, rid, events, prompt_tokens, mode, cached) -> dict:
     choices, completion = [], 0
     for i in sorted(events):
         text, lps, finish, n = _merge(events[i])
         completion += n
-        choices.append({"index": i, "message": {"role": "assistant", "content": text},
+        message = {"role": "assistant", "content": text}
+        content, calls = parse_calls(text, mode, req)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+            finish = "tool_calls" if finish == "stop" else finish
+        choices.append({"index": i, "message": message,
                         "logprobs": _chat_logprobs(engine, lps if req.logprobs else None), "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": now(), "model": req.model, "choices": choices,
-            "usage": _usage(prompt_tokens, completion)}
+            "usage": _usage(prompt_tokens, completion, cached)}
 
 
-def _completion_response(engine, req, rid, events, prompt_tokens, echo) -> dict:
+def _completion_response(engine, req, rid, events, prompt_tokens, echo, cached) -> dict:
     choices, completion = [], 0
     for i in sorted(events):
         text, lps, finish, n = _merge(events[i])
@@ -229,27 +279,39 @@ def _completion_response(engine, req, rid, events, prompt_tokens, echo) -> dict:
                         "logprobs": _completion_logprobs(engine, lps if req.logprobs is not None else None,
                                                          len(echo[i]))})
     return {"id": rid, "object": "text_completion", "created": now(), "model": req.model, "choices": choices,
-            "usage": _usage(prompt_tokens, completion)}
+            "usage": _usage(prompt_tokens, completion, cached)}
 
 
 # --- streaming ------------------------------------------------------------------------------------------
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], events: bool = False) -> StreamingResponse:
+    """Chat and completions end with `[DONE]`; the Responses API names each event and has no `[DONE]`."""
+
+    def line(chunk: dict) -> str:
+        head = f"event: {chunk['type']}\n" if events else ""
+        return f"{head}data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def failure(body: dict) -> str:
+        return line({"type": "error", **body["error"]}) if events else line(body)
+
     async def body():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield line(chunk)
         except APIError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"
+            yield failure(error_body(e.message, e.type, e.param, e.code))
         except Exception as e:  # noqa: BLE001 - the stream must end with an error, never silently
             log.exception("stream failed")
-            yield f"data: {json.dumps(error_body(f'internal error: {type(e).__name__}', 'internal_error'))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield failure(error_body(f"internal error: {type(e).__name__}", "internal_error"))
+        if not events:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int):
+async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int, mode: str):
+    """Content streams as it comes; with tools, text that may be a call is held until it parses (auto mode), and
+    forced calls are sent whole at the end as OpenAI's tool_calls deltas."""
     created = now()
 
     def chunk(choice_list, usage=None) -> dict:
@@ -259,17 +321,44 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
             c["usage"] = usage
         return c
 
+    def delta(index: int, d: dict, finish=None, lps=None) -> dict:
+        return chunk([{"index": index, "delta": d, "logprobs": lps, "finish_reason": finish}])
+
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(req.n)])
-    completion = {}
+    completion: dict[int, int] = {}
+    text: dict[int, str] = {}
+    sent: dict[int, int] = {}
     async for ev in choices.events():
-        completion[ev.index] = ev.completion_tokens
-        if ev.text or ev.finish_reason or (req.logprobs and ev.logprobs):
-            delta = {"content": ev.text} if ev.text else {}
-            lps = _chat_logprobs(engine, ev.logprobs) if req.logprobs else None
-            yield chunk([{"index": ev.index, "delta": delta, "logprobs": lps, "finish_reason": ev.finish_reason}])
+        i = ev.index
+        completion[i] = ev.completion_tokens
+        lps = _chat_logprobs(engine, ev.logprobs) if req.logprobs and ev.logprobs else None
+        if mode == "none":
+            if ev.text or ev.finish_reason or lps:
+                yield delta(i, {"content": ev.text} if ev.text else {}, ev.finish_reason, lps)
+            continue
+        full = text[i] = text.get(i, "") + ev.text
+        if mode == "auto":  # send what cannot be the start of a call
+            upto = len(full) - held_back(full[sent.get(i, 0):])
+            if upto > sent.get(i, 0):
+                yield delta(i, {"content": full[sent.get(i, 0):upto]}, None, lps)
+                sent[i] = upto
+        if ev.finish_reason is None:
+            continue
+        rest = full[sent.get(i, 0):]
+        content, calls = parse_calls(rest if mode == "auto" else full, mode, req)
+        finish = ev.finish_reason
+        if content:
+            yield delta(i, {"content": content})
+        for k, c in enumerate(calls):
+            yield delta(i, {"tool_calls": [{"index": k, "id": c.id, "type": "function",
+                                            "function": {"name": c.name, "arguments": ""}}]})
+            yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]})
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        yield delta(i, {}, finish)
     if include_usage:
-        yield chunk([], _usage(prompt_tokens, sum(completion.values())))
+        yield chunk([], _usage(prompt_tokens, sum(completion.values()), choices.cached_tokens(req.n)))
 
 
 async def _completion_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int,
@@ -295,4 +384,59 @@ async def _completion_stream(engine, req, rid, choices: ChoiceSet, include_usage
             offsets[ev.index] = off + len(text)
             yield chunk([{"index": ev.index, "text": text, "logprobs": lps, "finish_reason": ev.finish_reason}])
     if include_usage:
-        yield chunk([], _usage(prompt_tokens, sum(completion.values())))
+        yield chunk([], _usage(prompt_tokens, sum(completion.values()), choices.cached_tokens(req.n)))
+
+
+async def _responses_stream(build: ResponseBuilder, chat, choices: ChoiceSet, prompt_tokens: int, mode: str):
+    """The Responses API's events. Text streams as it comes; with tools the output is parsed whole at the end."""
+    seq = iter(range(1 << 30))
+
+    def event(kind: str, **fields) -> dict:
+        return {"type": kind, "sequence_number": next(seq), **fields}
+
+    yield event("response.created", response=build.response("in_progress", []))
+    yield event("response.in_progress", response=build.response("in_progress", []))
+    text, finish, completion, opened = "", None, 0, False
+    item = {"item_id": build.message_id, "output_index": 0, "content_index": 0}
+
+    def open_message():
+        yield event("response.output_item.added", output_index=0, item=build.message_item("", "in_progress"))
+        yield event("response.content_part.added", item_id=build.message_id, output_index=0, content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    async for ev in choices.events():
+        completion, finish = ev.completion_tokens, ev.finish_reason or finish
+        text += ev.text
+        if mode == "none" and ev.text:
+            if not opened:
+                opened = True
+                for e in open_message():
+                    yield e
+            yield event("response.output_text.delta", **item, delta=ev.text, logprobs=[])
+    content, calls = parse_calls(text, mode, chat)
+    if content and not opened:
+        opened = True
+        for e in open_message():
+            yield e
+        yield event("response.output_text.delta", **item, delta=content, logprobs=[])
+    output = []
+    if opened:
+        done = build.message_item(content or "")
+        yield event("response.output_text.done", **item, text=content or "", logprobs=[])
+        yield event("response.content_part.done", item_id=build.message_id, output_index=0, content_index=0,
+                    part=done["content"][0])
+        yield event("response.output_item.done", output_index=0, item=done)
+        output.append(done)
+    for call in calls:
+        k = len(output)
+        added = build.call_item(call, arguments="", status="in_progress")
+        yield event("response.output_item.added", output_index=k, item=added)
+        yield event("response.function_call_arguments.delta", item_id=added["id"], output_index=k,
+                    delta=call.arguments)
+        yield event("response.function_call_arguments.done", item_id=added["id"], output_index=k,
+                    arguments=call.arguments)
+        output.append(build.call_item(call))
+        yield event("response.output_item.done", output_index=k, item=output[-1])
+    # status says "incomplete" when max_output_tokens cut it; the SDK's stream helper waits for this event either way
+    yield event("response.completed", response=build.response("completed", output, finish,
+                                                              (prompt_tokens, completion), choices.cached_tokens(1)))

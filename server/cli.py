@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch",
+                   help="torch: the reference path (CPU default); triton: paged kernels for GPUs")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="turn off the prefix cache (a radix tree of KV blocks on rank 0)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dist-init-addr", default=None, help="host:port of rank 0's rendezvous (multi-node)")
     p.add_argument("--nnodes", type=int, default=1)
@@ -71,6 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="compare rank state fingerprints every N steps (0: off)",
     )
     p.add_argument("--debug-rank-logit-noise", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--debug-rank-router-noise", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--debug-skip-decision-broadcast", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--debug-corrupt-decision", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -91,6 +96,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mem_fraction=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        disable_radix_cache=args.disable_radix_cache,
+        attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         dist_init_addr=args.dist_init_addr,
         nnodes=args.nnodes,
@@ -101,6 +108,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         spec=spec,
         rank_consistency_check_interval=args.rank_consistency_check_interval,
         debug_rank_logit_noise=args.debug_rank_logit_noise,
+        debug_rank_router_noise=args.debug_rank_router_noise,
         debug_skip_decision_broadcast=args.debug_skip_decision_broadcast,
         debug_corrupt_decision=args.debug_corrupt_decision,
     )
@@ -129,7 +137,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from worker.engine import Engine
+    from runtime.engine import Engine
     from worker.sampling import SamplingParams
 
     with Engine(engine_config(args)) as engine:
@@ -194,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         argv = ["serve", *argv]
     if argv[0] == "train-draft":  # its own parser owns every flag after the subcommand
-        from speculative.train import main as train_main
+        from training.train import main as train_main
 
         return train_main(argv[1:])
     if argv[0] == "distill":
-        from speculative.distill import main as distill_main
+        from training.distill import main as distill_main
 
         return distill_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from worker.engine import AsyncRequest, Engine, EngineDeadError
-from worker.protocol import ERROR_CONTEXT_LENGTH, RequestOutput
+from runtime.engine import AsyncRequest, Engine, EngineDeadError
+from worker.grammar import GrammarSpec, InvalidGrammarError, check_grammar
+from worker.protocol import ERROR_CONTEXT_LENGTH, ERROR_INVALID_GRAMMAR, RequestOutput
 from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .tools import render_messages, template_knows_tools
 
 
 @dataclass
@@ -38,15 +41,16 @@ class ChoiceState:
     prompt_tokens: int
     arrival: float
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens rank 0 found in its prefix cache
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-def chat_prompt_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+def chat_prompt_ids(engine: Engine, req: ChatCompletionRequest, tool_mode: str = "none") -> list[int]:
+    messages, tools = render_messages(req, tool_mode, template_knows_tools(engine.tokenizer))
     try:
-        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = engine.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template may reject a role order; that is the client's request
         raise APIError(400, f"messages cannot be rendered by the model's chat template: {e}", param="messages") from e
     return engine.tokenizer.encode(text, add_special_tokens=False)
@@ -68,8 +72,44 @@ def completion_prompts(engine: Engine, req: CompletionRequest) -> list[list[int]
     raise APIError(400, "prompt must be a non-empty string, list of strings or list of token ids", param="prompt")
 
 
+def request_grammar(req, tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
+    """The one grammar a request asks for (response_format, SGLang's regex / ebnf, or a forced tool call)."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(GrammarSpec("json_object", param="response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(400, "response_format json_schema needs a json_schema object", param="response_format")
+        found.append(GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_ or {"type": "object"}),
+                                 param="response_format.json_schema.schema"))
+    if req.regex is not None:
+        found.append(GrammarSpec("regex", req.regex, param="regex"))
+    if req.ebnf is not None:
+        found.append(GrammarSpec("ebnf", req.ebnf, param="ebnf"))
+    if tool_grammar is not None:
+        found.append(tool_grammar)
+    if len(found) > 1:
+        raise APIError(400, "use one of response_format, regex, ebnf and a forced tool_choice, not several",
+                       param=found[1].param)
+    if not found:
+        return None
+    try:
+        check_grammar(found[0])
+    except InvalidGrammarError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_grammar") from e
+    return found[0]
+
+
+def _logit_bias(req) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+    except ValueError as e:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from e
+
+
 def sampling_params(engine: Engine, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                    choice: int) -> SamplingParams:
+                    choice: int, grammar: GrammarSpec | None = None) -> SamplingParams:
     limit = engine.ready.max_model_len
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty", param="messages" if isinstance(req, ChatCompletionRequest)
@@ -97,6 +137,8 @@ def sampling_params(engine: Engine, req, prompt_len: int, max_tokens: int | None
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        logit_bias=_logit_bias(req),
+        grammar=grammar,
     )
     try:
         return params.validate(engine.model_cfg.vocab_size)
@@ -120,6 +162,10 @@ class ChoiceSet:
         now = time.monotonic()
         self.choices = [ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop), len(ids), now)
                         for i, (h, ids) in enumerate(zip(handles, prompts))]
+
+    def cached_tokens(self, n: int) -> int:
+        """Cached prompt tokens, counting each prompt once (its n choices share it)."""
+        return sum(c.cached_tokens for c in self.choices[::n])
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Merged events of all choices, in arrival order. Leaving early cancels (aborts) the rest."""
@@ -155,7 +201,7 @@ class ChoiceSet:
 
     def _advance(self, c: ChoiceState, out: RequestOutput) -> ChoiceEvent:
         if out.error:
-            bad_input = out.error_code == ERROR_CONTEXT_LENGTH
+            bad_input = out.error_code in (ERROR_CONTEXT_LENGTH, ERROR_INVALID_GRAMMAR)
             raise APIError(400 if bad_input else 500, out.error,
                            "invalid_request_error" if bad_input else "internal_error", code=out.error_code)
         now = time.monotonic()
@@ -170,6 +216,7 @@ class ChoiceSet:
         if out.queue_seconds is not None:
             lbl(m.queue_time).observe(out.queue_seconds)
         c.completion_tokens = out.num_output_tokens
+        c.cached_tokens = max(c.cached_tokens, out.cached_tokens)
         text = c.detok.add(out.token_ids)
         finish = out.finish_reason
         if c.detok.stopped and finish is None:

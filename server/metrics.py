@@ -96,7 +96,12 @@ class Metrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
         self.kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV cache slots in use (0..1).")
         self.steps = counter("engine_steps", "Engine steps executed by rank 0.")
-        self._last_steps = 0
+        # prefix cache (rank 0's radix tree)
+        self.cache_queried = counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache (not prefilled)")
+        self.cache_evicted = counter("prefix_cache_evicted_tokens", "Tokens evicted from the prefix cache.")
+        self.cache_size = gauge("prefix_cache_tokens", "Tokens held by the prefix cache (in use or evictable).")
+        self._totals: dict[str, int] = {}
         # create every series up front so dashboards show zeros, not gaps, before the first event
         for metric in (
             self.spec_accept_length,
@@ -115,6 +120,10 @@ class Metrics:
             self.waiting,
             self.kv_usage,
             self.steps,
+            self.cache_queried,
+            self.cache_hits,
+            self.cache_evicted,
+            self.cache_size,
         ):
             self.labels(metric)
         for kind in ("control", "draft", "verify"):
@@ -135,38 +144,48 @@ class Metrics:
     def on_step(self, report) -> None:
         """Called from the engine's receiver thread for every StepReport."""
         s = report.stats
-        self.labels(self.running).set(s.get("running", 0))
-        self.labels(self.waiting).set(s.get("waiting", 0))
-        total = s.get("kv_total_tokens") or 1
-        self.labels(self.kv_usage).set(s.get("kv_used_tokens", 0) / total)
-        steps = s.get("steps", 0)
-        if steps > self._last_steps:
-            self.labels(self.steps).inc(steps - self._last_steps)
-            self._last_steps = steps
+        self.labels(self.running).set(s.running)
+        self.labels(self.waiting).set(s.waiting)
+        self.labels(self.kv_usage).set(s.kv_used_tokens / (s.kv_total_tokens or 1))
+        self._count("steps", self.steps, s.steps)
+        pc = s.prefix_cache
+        if pc is not None:
+            self._count("cache_queried", self.cache_queried, pc.prompt_tokens)
+            self._count("cache_hits", self.cache_hits, pc.hit_tokens)
+            self._count("cache_evicted", self.cache_evicted, pc.evicted_tokens)
+            self.labels(self.cache_size).set(pc.cached_tokens)
         m = report.step_metrics
-        for seconds in m.get("control_sync", ()):
-            self.labels(self.decision_sync, kind="control").observe(seconds)
-        for seconds in m.get("verify_sync", ()):
-            self.labels(self.decision_sync, kind="verify").observe(seconds)
-        for seconds in m.get("draft_sync", ()):
-            self.labels(self.decision_sync, kind="draft").observe(seconds)
-        if m.get("consistency_checks"):
-            self.labels(self.consistency_checks).inc(m["consistency_checks"])
-        for length in m.get("accept_lengths", ()):
+        for kind, seconds in m.sync_seconds.items():
+            sync = self.labels(self.decision_sync, kind=kind)
+            for x in seconds:
+                sync.observe(x)
+        if m.consistency_checks:
+            self.labels(self.consistency_checks).inc(m.consistency_checks)
+        for length in m.accept_lengths:
             self.labels(self.spec_accept_length).observe(length)
-        if m.get("spec_verify_steps"):
-            self.labels(self.spec_verify_steps).inc(m["spec_verify_steps"])
-            self.labels(self.spec_draft_tokens).inc(m["spec_draft_tokens"])
-            self.labels(self.spec_accepted_tokens).inc(m["spec_accepted_tokens"])
-            for source in ("eagle", "context"):
-                self.labels(self.spec_source_draft, source=source).inc(m.get(f"spec_{source}_tokens", 0))
-                self.labels(self.spec_source_accepted, source=source).inc(m.get(f"spec_{source}_accepted_tokens", 0))
-            for pos, count in enumerate(m.get("accepted_per_position", ())):
+        c = m.spec
+        if c.verify_steps:
+            self.labels(self.spec_verify_steps).inc(c.verify_steps)
+            self.labels(self.spec_draft_tokens).inc(c.draft_tokens)
+            self.labels(self.spec_accepted_tokens).inc(c.accepted_tokens)
+            for source, drafted, accepted in (("eagle", c.eagle_tokens, c.eagle_accepted_tokens),
+                                              ("context", c.context_tokens, c.context_accepted_tokens)):
+                self.labels(self.spec_source_draft, source=source).inc(drafted)
+                self.labels(self.spec_source_accepted, source=source).inc(accepted)
+            for pos, count in enumerate(m.accepted_per_position):
                 if count:
                     self.labels(self.spec_accepted_per_position, position=str(pos + 1)).inc(count)
-
-        for kind, count in m.get("spec_steps", {}).items():
+        for kind, count in m.spec_steps.items():
             self.labels(self.spec_steps, kind=kind).inc(count)
+
+    def _count(self, key: str, metric, total: int) -> None:
+        """Counters from rank 0's running totals; a restarted engine counts from zero again."""
+        last = self._totals.get(key, 0)
+        if total < last:
+            last = 0
+        if total > last:
+            self.labels(metric).inc(total - last)
+        self._totals[key] = total
 
     def on_fatal(self, fatal) -> None:
         if fatal.kind == "RankDivergenceError":

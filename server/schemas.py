@@ -20,10 +20,23 @@ class TextPart(_Lenient):
     text: str
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -35,6 +48,35 @@ class ChatMessage(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: dict  # {"name": ...}
 
 
 class _Strict(BaseModel):
@@ -60,7 +102,18 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang's extras: constrain the output to a regex or an EBNF grammar
+    ebnf: str | None = None
+    # OpenAI fields accepted and ignored: they do not change the output (README: "Accepted and ignored")
     user: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    prediction: dict | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -78,6 +131,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None  # accepted and ignored (text only)
+    reasoning_effort: str | None = None  # accepted and ignored (no reasoning model here)
+    verbosity: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -7,8 +7,8 @@ import time
 
 import uvicorn
 
+from runtime.engine import run_follower_node
 from worker.config import EngineConfig
-from worker.engine import run_follower_node
 
 from .app import ServerSettings, build_app
 from .metrics import Metrics

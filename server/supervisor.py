@@ -8,8 +8,8 @@ import logging
 import threading
 import time
 
+from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.engine import Engine
 
 log = logging.getLogger("eaglegate.supervisor")
 

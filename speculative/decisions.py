@@ -20,7 +20,8 @@ import torch
 
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.sampling import apply_penalties, filter_probs
+from worker.leader import prepare_logits
+from worker.sampling import filter_probs
 from worker.scheduler import Sequence
 
 from . import budget
@@ -220,16 +221,14 @@ class SpecDecisions:
             p = seq.params
 
             def processed(node: int, path_tokens: list[int], rows=rows, seq=seq) -> torch.Tensor:
-                row = rows[node]
-                if seq.params.has_penalties:
-                    row = row.clone()
-                    apply_penalties(row, seq.params, seq.token_ids[: seq.num_prompt], seq.output_ids + path_tokens)
-                return row
+                return prepare_logits(seq, rows[node], path_tokens)
 
             if p.greedy:
                 path, bonus = verify_greedy(vt, lambda node, toks, f=processed: int(torch.argmax(f(node, toks))))
             else:
                 path, bonus = verify_sampling(vt, lambda node, toks, f=processed, p=p: filter_probs(f(node, toks), p),
                                               seq.generator, spec.accept_threshold_single, spec.accept_threshold_acc)
+            if seq.grammar is not None:  # the walk advanced the matcher; committing the tokens advances it for real
+                seq.grammar.end_speculation()
             commits.append(Commit(path, bonus))
         return commits

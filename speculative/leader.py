@@ -7,6 +7,7 @@ rank moves KV or seq_lens.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from worker.config import EngineConfig
@@ -15,6 +16,7 @@ from worker.leader import Leader, maybe_check
 from worker.protocol import SpecPlan, SpecSeq
 from worker.runner import ModelRunner
 from worker.scheduler import ScheduledSeq, Sequence
+from worker.stats import EngineSnapshot, SpecCounts
 
 from . import budget
 from .budget import Estimates
@@ -30,15 +32,11 @@ def _committed(step: SpecPlan, commits: list[Commit]) -> list[int]:
     return out
 
 
-TOTALS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens", "spec_drafted_steps",
-          "spec_eagle_tokens", "spec_eagle_accepted_tokens", "spec_context_tokens", "spec_context_accepted_tokens")
-
-
 class SpecLeader(Leader):
     def __init__(self, config: EngineConfig, runner: ModelRunner, tp: TPGroup):
         self.worker = SpecWorker(config, runner, tp)
         super().__init__(config, runner, tp)
-        self.totals = dict.fromkeys(TOTALS, 0)
+        self.totals = SpecCounts()
         s = config.spec
         cost = self.worker.cost
         self.estimates = Estimates(eagle_prior=float(min(s.num_steps, s.num_draft_tokens - 1)),
@@ -94,22 +92,24 @@ class SpecLeader(Leader):
         result: SpecResult = self.worker.run(step, SpecDecisions(self.channel, self.config, len(seqs), lead))
         self._apply(seqs, step, result, [n for _, n in found])
         m = self.step_metrics
-        for name, seconds in self.channel.seconds.items():
-            m.setdefault(f"{name}_sync", []).extend(seconds)
-        for key, value in result.timings.items():
-            m.setdefault(f"spec_{key}_seconds", []).append(value)
+        for kind, seconds in self.channel.seconds.items():
+            m.sync_seconds.setdefault(kind, []).extend(seconds)
+        for phase, seconds in result.timings.items():
+            m.phase_seconds.setdefault(phase, []).append(seconds)
         self.check(step, _committed(step, result.commits) + self.channel.state())
         if cost is not None:
             rows = sum(vt.size for vt in result.trees)
             est.observe_step(kind, len(seqs), time.perf_counter() - started - cost.verify(rows))
 
     def _count_step(self, kind: str) -> None:
-        kinds = self.step_metrics.setdefault("spec_steps", {})
+        kinds = self.step_metrics.spec_steps
         kinds[kind] = kinds.get(kind, 0) + 1
 
     def _apply(self, seqs: list[Sequence], step: SpecPlan, result: SpecResult, context_n: list[int]) -> None:
         m, t, est = self.step_metrics, self.totals, self.estimates
-        per_pos = m.setdefault("accepted_per_position", [0] * self.worker.max_depth)
+        if not m.accepted_per_position:
+            m.accepted_per_position = [0] * self.worker.max_depth
+        per_pos = m.accepted_per_position
         off, eagle_accepted = 0, []
         for seq, q, commit, vt, sel, n in zip(seqs, step.seqs, result.commits, result.trees, result.selections,
                                               context_n):
@@ -125,16 +125,14 @@ class SpecLeader(Leader):
             a = len(commit.path)
             by_source = {src: sum(1 for node in commit.path if vt.sources[node] & src)
                          for src in (budget.EAGLE, budget.CONTEXT)}
-            counts = {"spec_verify_steps": 1, "spec_draft_tokens": vt.size - 1, "spec_accepted_tokens": a,
-                      "spec_drafted_steps": int(step.draft),
-                      "spec_eagle_tokens": sum(1 for x in vt.sources if x & budget.EAGLE),
-                      "spec_eagle_accepted_tokens": by_source[budget.EAGLE],
-                      "spec_context_tokens": sum(1 for x in vt.sources if x & budget.CONTEXT),
-                      "spec_context_accepted_tokens": by_source[budget.CONTEXT]}
-            for key, value in counts.items():
-                t[key] += value
-                m[key] = m.get(key, 0) + value
-            m.setdefault("accept_lengths", []).append(a + 1)
+            counts = SpecCounts(verify_steps=1, drafted_steps=int(step.draft), draft_tokens=vt.size - 1,
+                                accepted_tokens=a, eagle_tokens=sum(1 for x in vt.sources if x & budget.EAGLE),
+                                eagle_accepted_tokens=by_source[budget.EAGLE],
+                                context_tokens=sum(1 for x in vt.sources if x & budget.CONTEXT),
+                                context_accepted_tokens=by_source[budget.CONTEXT])
+            t.add(counts)
+            m.spec.add(counts)
+            m.accept_lengths.append(a + 1)
             for i in range(a):
                 per_pos[i] += 1
             if step.draft:
@@ -143,17 +141,13 @@ class SpecLeader(Leader):
         if step.draft:
             est.observe_draft(len(seqs), result.timings["draft"], eagle_accepted)
 
-    def take_report(self, stepped: bool = False):
-        report = super().take_report(stepped)
-        if report is not None:
-            t = self.totals
-            steps = t["spec_verify_steps"]
-            report.stats |= t | {"spec_accept_length_mean":
-                                 (steps + t["spec_accepted_tokens"]) / steps if steps else 0.0}
-            if self.worker.cost is not None:
-                c = self.worker.cost
-                report.stats["spec_verify_cost_ms"] = {r: round(1000 * x, 3) for r, x in zip(c.rows, c.seconds)}
-        return report
+    def snapshot(self) -> EngineSnapshot:
+        snap = super().snapshot()
+        snap.spec = dataclasses.replace(self.totals)
+        if self.worker.cost is not None:
+            c = self.worker.cost
+            snap.spec_verify_cost_ms = {r: round(1000 * x, 3) for r, x in zip(c.rows, c.seconds)}
+        return snap
 
 
 def make_spec_leader(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> SpecLeader:

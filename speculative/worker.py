@@ -59,7 +59,7 @@ class SpecWorker:
         self.features = torch.zeros(slots, h, dtype=torch.float32 if tp.device.type == "cpu" else runner.dtype,
                                     device=tp.device)
         runner.on_hidden = self._store_features
-        self.bs = runner.block_size
+        self.bs, self.backend = runner.block_size, config.attention_backend
         self.max_depth = self.spec.num_steps + self.spec.context_tokens  # longest path a verify tree can hold
         self.cost: CostTable | None = None
         if self.spec.cost_table == "auto":
@@ -85,7 +85,7 @@ class SpecWorker:
         dev, model = self.tp.device, self.runner.model
 
         def forward(r: int) -> float:
-            meta = build_attention_metadata([SeqSlice(ctx, r, table)], self.bs, dev)
+            meta = build_attention_metadata([SeqSlice(ctx, r, table)], self.bs, dev, self.backend)
             t0 = time.perf_counter()
             hidden, _ = model(torch.zeros(r, dtype=torch.long, device=dev), torch.arange(ctx, ctx + r, device=dev),
                               self.runner.kv, meta)
@@ -112,7 +112,7 @@ class SpecWorker:
     def _draft_forward(self, ids: list[int], positions: list[int], feats: torch.Tensor,
                        slices: list[SeqSlice]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.tp.device
-        meta = build_attention_metadata(slices, self.bs, dev)
+        meta = build_attention_metadata(slices, self.bs, dev, self.backend)
         out = self.head(torch.tensor(ids, device=dev), feats, torch.tensor(positions, device=dev),
                         self.draft_kv, meta)
         return out, meta
@@ -195,7 +195,7 @@ class SpecWorker:
             ids += vt.tokens
             pos += [n + d for d in vt.depths]
             slices.append(SeqSlice(n, vt.size, q.block_table, TreeKeys(write, write, vt.mask())))
-        meta = build_attention_metadata(slices, self.bs, dev)
+        meta = build_attention_metadata(slices, self.bs, dev, self.backend)
         model = self.runner.model
         hidden, aux = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.runner.kv, meta)
         self._store_features(hidden, aux, meta.slot_mapping)

@@ -10,9 +10,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GPU kernels run on CPU tensors through Triton's interpreter (set before anything imports triton); the device
+# check sets TRITON_INTERPRET=0 to run them for real
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from runtime.engine import Engine  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
-from worker.engine import Engine  # noqa: E402
 from worker.model_files import GGUF_NAME, default_model_dir, fetch_default_model  # noqa: E402
 
 

@@ -17,10 +17,16 @@ def save_tiny_model(folder: Path, arch: str = "llama", heads: int = 4, kv_heads:
 
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[arch]
+    moe = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
+                         "decoder_sparse_step": 1, "norm_topk_prob": True},
+           "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}.get(arch, {})
     cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                 rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+                 rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **moe)
     torch.manual_seed(seed)
     model = cls[1](cfg)
     with torch.no_grad():

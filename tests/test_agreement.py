@@ -14,7 +14,7 @@ import httpx
 import pytest
 from helpers import save_random_eagle_head, save_tiny_model
 
-from worker.agreement import compare
+from runtime.agreement import compare
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
 

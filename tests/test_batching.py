@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.engine import Engine
 from worker.sampling import InvalidParameterError, SamplingParams
 
 
@@ -104,7 +104,7 @@ def test_invalid_sampling_params_rejected(smol_engine, field, value, param):
 
 
 def test_prompt_beyond_context_fails_cleanly(smol_dir):
-    from worker.engine import RequestFailedError
+    from runtime.engine import RequestFailedError
 
     with Engine(EngineConfig(dtype="float32", max_total_tokens=128)) as eng:
         with pytest.raises(RequestFailedError, match="context limit"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from speculative import distill
+from training import distill
 
 
 def test_answers_append_across_shards_and_read_back(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import chat
 
+from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
-from worker.engine import Engine
 from worker.model_files import GGUF_NAME, ModelLoadError, resolve_model
 from worker.protocol import ForwardPlan
 from worker.quant import GGUF_SUPPORTED, QTensor, cat_rows, gguf_blocks, int4_linear, pack, quantize_rtn

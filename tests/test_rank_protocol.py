@@ -8,8 +8,8 @@ import queue
 import pytest
 from helpers import save_copy_eagle_head, save_tiny_model
 
+from runtime.engine import Engine, EngineDeadError, _Sink
 from worker.config import EngineConfig, SpecConfig
-from worker.engine import Engine, EngineDeadError, _Sink
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
 from worker.sampling import SamplingParams

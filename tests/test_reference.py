@@ -56,11 +56,11 @@ def test_greedy_continuation_matches_transformers_generate(hf_smol, smol_engine)
 
 
 def test_other_families_match_transformers(tmp_path, smol_dir):
-    """Mistral and Qwen2 (q/k/v bias) layouts, random weights saved as safetensors."""
+    """Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) layouts, random weights saved as safetensors."""
     from helpers import save_tiny_model
     from transformers import AutoModelForCausalLM
 
-    for arch in ("mistral", "qwen2"):
+    for arch in ("mistral", "qwen2", "qwen3"):
         folder = save_tiny_model(tmp_path / arch, arch, heads=4, kv_heads=2, seed=3)
         runner = _runner(EngineConfig(model_path=str(folder), dtype="float32", max_total_tokens=256))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -6,10 +6,10 @@ import argparse
 
 from conftest import chat
 
+from runtime.engine import Engine
 from server.cli import add_engine_args
 from speculative.defaults import DEFAULT_HEAD, resolve_spec_config
 from worker.config import EngineConfig
-from worker.engine import Engine
 from worker.sampling import SamplingParams
 
 QUESTIONS = ["Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",

@@ -9,13 +9,13 @@ import pytest
 from conftest import chat
 from helpers import save_copy_eagle_head
 
+from runtime.engine import Engine
 from speculative import budget
 from speculative.budget import Candidate, CostTable, Estimates
 from speculative.context import context_draft
 from speculative.defaults import default_spec_config
 from speculative.tree import DraftTree, build_verify_tree
 from worker.config import EngineConfig
-from worker.engine import Engine
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
 from worker.sampling import SamplingParams

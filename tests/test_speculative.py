@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import save_copy_eagle_head, save_random_eagle_head
 
+from runtime.engine import Engine, EngineDeadError
 from speculative.heads import read_draft
 from speculative.tree import VerifyTree
 from speculative.verify import verify_sampling
 from worker.config import EngineConfig, SpecConfig
-from worker.engine import Engine, EngineDeadError
 from worker.model_config import load_model_config
 from worker.model_files import ModelLoadError, resolve_model
 from worker.sampling import SamplingParams

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.engine import Engine
 from worker.model_files import ModelLoadError
 from worker.sampling import SamplingParams
 
@@ -43,3 +43,13 @@ def test_smollm2_tp3_matches_tp1(smol_engine):
 def test_tp_that_does_not_divide_heads_is_refused(smol_dir):
     with pytest.raises(ModelLoadError, match="does not divide the 9 attention heads"):
         Engine(EngineConfig(tp_size=2))
+
+
+def test_tiny_qwen3_tp2_matches_tp1(tmp_path, smol_dir):
+    """Qwen3's per-head q/k norms are replicated on every rank; the heads they scale are split."""
+    from helpers import save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path / "qwen3", "qwen3", heads=4, kv_heads=2, seed=5))
+    ref = _greedy(EngineConfig(model_path=folder, dtype="float32", max_total_tokens=1024), PROMPT_IDS)
+    assert _greedy(EngineConfig(model_path=folder, dtype="float32", tp_size=2, max_total_tokens=1024),
+                   PROMPT_IDS) == ref

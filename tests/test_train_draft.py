@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from runtime.engine import Engine
 from worker.config import EngineConfig, SpecConfig
-from worker.engine import Engine
 from worker.sampling import SamplingParams
 
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from runtime.engine import Engine, EngineDeadError
 from worker.config import EngineConfig
-from worker.engine import Engine, EngineDeadError
 from worker.sampling import SamplingParams
 
 

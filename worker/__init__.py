@@ -1,4 +1,4 @@
-"""eaglegate's engine core: model, tensor-parallel layers, KV cache, scheduler and the worker processes."""
+"""eaglegate's engine core: model, tensor-parallel layers, KV cache, scheduler and the plain step of each rank."""
 
 import os
 

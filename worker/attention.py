@@ -46,6 +46,8 @@ class AttentionMetadata:
     row_kv_slots: torch.Tensor | None = None  # [R, Lr] each such row's own keys, in order, padded at the end
     row_bias: torch.Tensor | None = None  # [R, 1, Lr] float: 0 for real keys, -inf for padding
     row_gather: dict | None = None  # per KV-head count: flat (slot, head) indices and the bias, built once a step
+    paged: object | None = None  # triton backend: per-row PagedRows (worker/triton_attention.py)
+    block_size: int = 16
 
 
 # Row-wise attention (decode, verify, short chunks): each query row attends over a gather of exactly its own keys,
@@ -76,7 +78,8 @@ def slots_of(block_table: list[int], positions, block_size: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device) -> AttentionMetadata:
+def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device,
+                             backend: str = "torch") -> AttentionMetadata:
     B = len(seqs)
     q_lens = torch.tensor([s.q_len for s in seqs])
     ctx = torch.tensor([s.ctx_len for s in seqs])
@@ -117,7 +120,14 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
         row_q = q_valid & short.unsqueeze(1)
         row_slots, row_valid = _row_keys(mask, kv_slots, row_q)
         row_index = torch.arange(int(q_lens.sum())).masked_select(short.repeat_interleave(q_lens))
+    paged = None
+    if backend == "triton":
+        from .triton_attention import paged_rows
+
+        paged = paged_rows(seqs, device)
     return AttentionMetadata(
+        paged=paged,
+        block_size=block_size,
         slot_mapping=slot_mapping.to(device),
         kv_slots=kv_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
@@ -136,6 +146,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     q = q.to(k_cache.dtype)
+    if meta.paged is not None:
+        from .triton_attention import triton_attend
+
+        return triton_attend(q, k_cache, v_cache, meta.paged, meta.block_size, scale).to(dtype)
     every_row = meta.row_index is not None and meta.row_index.numel() == q.shape[0]
     if every_row:
         return _attend_rows(q, k_cache, v_cache, meta, scale).to(dtype)

@@ -52,6 +52,8 @@ class EngineConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
     max_model_len: int | None = None
+    attention_backend: str = "torch"  # torch (reference, CPU default) | triton (paged kernels, GPU)
+    disable_radix_cache: bool = False  # rank 0's prefix cache (worker/prefix_cache.py) is on unless this is set
     # distributed
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; None: a free local port
     nnodes: int = 1
@@ -63,6 +65,7 @@ class EngineConfig:
     # reliability
     rank_consistency_check_interval: int = 1
     debug_rank_logit_noise: float = 0.0
+    debug_rank_router_noise: float = 0.0  # tests: MoE router logits get rank * this much noise (rank 0 none)
     debug_skip_decision_broadcast: bool = False
     debug_collective_trace: str | None = None  # tests: each rank writes its collectives to DIR/rank{r}.json
     debug_corrupt_decision: int = 0  # tests: at this step the last rank alters one applied draft decision
@@ -82,11 +85,13 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; use torch or triton")
         if self.block_size < 1 or self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("block_size, chunked_prefill_size and max_running_requests must be >= 1")
-        if self.debug_skip_decision_broadcast and not self.debug_rank_logit_noise:
+        if self.debug_skip_decision_broadcast and not (self.debug_rank_logit_noise or self.debug_rank_router_noise):
             raise ValueError(
-                "--debug-skip-decision-broadcast is refused without --debug-rank-logit-noise: "
+                "--debug-skip-decision-broadcast is refused without --debug-rank-logit-noise or router noise: "
                 "it exists only to prove the divergence guard in tests"
             )
         s = self.spec

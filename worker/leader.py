@@ -8,10 +8,14 @@ import torch
 
 from .config import EngineConfig
 from .dist import TPGroup
+from .grammar import Grammars
 from .guard import check_consistency, fingerprint
+from .prefix_cache import PrefixCache
 from .protocol import (
     ERROR_CONTEXT_LENGTH,
     ERROR_ENGINE,
+    ERROR_INVALID_GRAMMAR,
+    FINISH_DEAD_END,
     AbortRequest,
     AddRequest,
     ForwardPlan,
@@ -20,8 +24,10 @@ from .protocol import (
     StepReport,
 )
 from .runner import ModelRunner
-from .sampling import apply_penalties, filter_probs, sample_from_probs, top_logprobs
+from .sampling import apply_logit_bias, apply_penalties, filter_probs, sample_from_probs, top_logprobs
 from .scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
+from .stats import EngineSnapshot, StepMetrics
+from .tokenizer import load_tokenizer
 
 
 class Leader:
@@ -34,14 +40,18 @@ class Leader:
             runner.model.rope.cos.shape[0] - self.reserve,  # speculative trees reach `reserve` positions ahead
             pool.num_blocks * pool.block_size - self.reserve,
         )
-        self.scheduler = Scheduler(pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len)
+        cache = None if config.disable_radix_cache else PrefixCache(config.block_size)
+        self.scheduler = Scheduler(pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len,
+                                   cache, share_last_block=not config.spec.enabled)
         self.rng = torch.Generator()
         self.rng.manual_seed(config.seed)
         self.step_no = 0
         self.next_seq_id = 0
         self.outputs: list[RequestOutput] = []
-        self.step_metrics: dict = {}
+        self.step_metrics = StepMetrics()
         self.eos_ids = tuple(self.model_cfg.eos_token_ids)
+        self.grammars = Grammars(lambda: load_tokenizer(runner.source, config.tokenizer_path),
+                                 self.model_cfg.vocab_size, self.eos_ids)
 
     @property
     def reserve(self) -> int:
@@ -81,6 +91,14 @@ class Leader:
         )
         gen.manual_seed(seed)
         seq = Sequence(self.next_seq_id, req.request_id, list(req.prompt_ids), n, req.params, gen)
+        if req.params.grammar is not None:
+            try:
+                seq.grammar = self.grammars.matcher(req.params.grammar)
+            except Exception as e:  # noqa: BLE001 - the front end checked the syntax; the vocabulary can still refuse
+                self.outputs.append(RequestOutput(req.request_id, [], None, "error", n, 0,
+                                                  error=f"the grammar cannot be compiled: {e}",
+                                                  error_code=ERROR_INVALID_GRAMMAR))
+                return
         self.next_seq_id += 1
         self.scheduler.add(seq)
 
@@ -113,6 +131,8 @@ class Leader:
         sampled = [item for item in batch if item.samples]
         for item in batch:
             item.seq.num_cached += item.num_tokens
+            if item.num_tokens > 1:
+                self.scheduler.cache_progress(item.seq)
         for row, item in enumerate(sampled):
             self._sample_and_append(item.seq, logits[row])
         self.check(plan, committed_lengths(plan))
@@ -123,18 +143,19 @@ class Leader:
             return
         t0 = time.perf_counter()
         self.tp.broadcast_object(plan)
-        self.step_metrics.setdefault("control_sync", []).append(time.perf_counter() - t0)
+        self.step_metrics.add_sync("control", time.perf_counter() - t0)
 
     def check(self, plan: StepPlan, committed: list[int]) -> None:
         if maybe_check(self.config, self.tp, plan, committed):
-            self.step_metrics["consistency_checks"] = self.step_metrics.get("consistency_checks", 0) + 1
+            self.step_metrics.consistency_checks += 1
 
     def _sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
         raw = logits
-        if p.has_penalties:
-            logits = logits.clone()
-            apply_penalties(logits, p, seq.token_ids[: seq.num_prompt], seq.output_ids)
+        logits = prepare_logits(seq, logits)
+        if seq.grammar is not None and not torch.isfinite(logits).any():
+            self._finish(seq, FINISH_DEAD_END)
+            return
         if p.greedy:
             token = int(torch.argmax(logits))
         else:
@@ -144,6 +165,9 @@ class Leader:
     def append_tokens(self, seq: Sequence, tokens: list[int], logits_rows: list[torch.Tensor] | None) -> None:
         """Append tokens in order, stopping at the first that finishes the sequence; report either way."""
         for i, tok in enumerate(tokens):
+            if seq.grammar is not None and not seq.grammar.accept(tok):  # only where no token was allowed
+                self.scheduler.finish(seq, FINISH_DEAD_END)
+                break
             seq.token_ids.append(tok)
             seq.pending_tokens.append(tok)
             if logits_rows is not None:
@@ -151,6 +175,10 @@ class Leader:
             if self.scheduler.check_finished(seq, self.eos_ids):
                 self.scheduler.finish(seq)
                 break
+        self._report(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
         self._report(seq)
 
     def _report(self, seq: Sequence) -> None:
@@ -167,18 +195,21 @@ class Leader:
                 seq.num_prompt,
                 len(seq.output_ids),
                 queue_seconds=queued,
+                cached_tokens=seq.num_hit_tokens,
             )
         )
         seq.pending_tokens, seq.pending_logprobs = [], []
 
     def take_report(self, stepped: bool = False) -> StepReport | None:
         """The outputs and stats since the last report; None when there is nothing new to say."""
-        if not self.outputs and not self.step_metrics and not stepped:
+        if not self.outputs and self.step_metrics.is_empty() and not stepped:
             return None
-        stats = self.scheduler.stats() | {"steps": self.step_no, "time": time.time()}
-        report = StepReport(self.outputs, stats, self.step_metrics)
-        self.outputs, self.step_metrics = [], {}
+        report = StepReport(self.outputs, self.snapshot(), self.step_metrics)
+        self.outputs, self.step_metrics = [], StepMetrics()
         return report
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.scheduler.snapshot(steps=self.step_no, time=time.time())
 
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.by_request.values()):
@@ -187,6 +218,23 @@ class Leader:
                 RequestOutput(seq.request_id, [], None, "error", seq.num_prompt, len(seq.output_ids), error=message,
                               error_code=ERROR_ENGINE)
             )
+
+
+def prepare_logits(seq: Sequence, row: torch.Tensor, path_tokens: list[int] | tuple = ()) -> torch.Tensor:
+    """Rank 0's view of one row before choosing a token: logit bias, penalties, then the grammar mask.
+
+    `path_tokens` are tokens accepted after the committed ones in a verify walk (speculative decoding)."""
+    p = seq.params
+    if p.adjusts_logits:
+        row = row.clone()
+        if p.logit_bias:
+            apply_logit_bias(row, p)
+        if p.has_penalties:
+            apply_penalties(row, p, seq.token_ids[: seq.num_prompt], seq.output_ids + list(path_tokens))
+    if seq.grammar is not None:
+        seq.grammar.speculate(list(path_tokens))
+        row = seq.grammar.mask(row)
+    return row
 
 
 def follower_step(config: EngineConfig, runner: ModelRunner, tp: TPGroup, plan: ForwardPlan) -> None:

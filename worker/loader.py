@@ -37,6 +37,9 @@ def check_tp_divisibility(cfg: ModelConfig, tp_size: int) -> None:
         raise ModelLoadError(f"tp_size {tp_size} and the {cfg.num_kv_heads} KV heads: one must divide the other")
     if cfg.intermediate_size % tp_size:
         raise ModelLoadError(f"tp_size {tp_size} does not divide intermediate size {cfg.intermediate_size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % tp_size:
+        raise ModelLoadError(f"tp_size {tp_size} does not divide the experts' intermediate size "
+                             f"{cfg.moe_intermediate_size}")
 
 
 def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype,
@@ -44,7 +47,8 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     cfg = load_model_config(source)
     check_tp_divisibility(cfg, tp.size)
     max_pos = config.max_model_len or cfg.max_position_embeddings
-    model = CausalLM(cfg, tp, dtype, max_pos)
+    model = CausalLM(cfg, tp, dtype, max_pos, router_noise=config.debug_rank_router_noise,
+                     local_routing=config.debug_skip_decision_broadcast)
     try:
         method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
     except ValueError as e:

@@ -18,6 +18,7 @@ from .layers import (
     rope_rows,
 )
 from .model_config import ModelConfig
+from .moe import SparseMoE, moe_param_map
 
 
 class Attention(nn.Module):
@@ -28,13 +29,20 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, dtype)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        if cfg.qk_norm:  # replicated: one weight of head_dim shared by every head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         p = self.qkv_proj
         n, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        qk = rope_rows(qkv[:, : p.q_size + p.kv_size].view(n, -1, d), *rope)  # q and k heads rotated together
+        qk = qkv[:, : p.q_size + p.kv_size].view(n, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = rope_rows(qk, *rope)  # q and k heads rotated together
         q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
         out = attend(q, k, qkv[:, p.q_size + p.kv_size :].view(n, -1, d), k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
@@ -52,13 +60,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, input_norm: bool = True):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, input_norm: bool = True,
+                 moe: SparseMoE | None = None):
         super().__init__()
         # EAGLE-1/2 draft layers have no input norm: their input is already a fused, normed feature
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else nn.Identity()
         self.self_attn = Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
+        self.mlp = moe if moe is not None else MLP(cfg, tp, dtype)
 
     def forward(self, x, rope, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
@@ -70,13 +79,15 @@ class CausalLM(nn.Module):
     (what EAGLE-3 fuses); compute_logits() applies the vocab-parallel LM head."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int,
-                 aux_layers: tuple[int, ...] = ()):
+                 aux_layers: tuple[int, ...] = (), router_noise: float = 0.0, local_routing: bool = False):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.aux_layers = set(aux_layers)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, dtype, moe=SparseMoE(cfg, tp, dtype, router_noise, local_routing)
+                         if i in cfg.moe_layers else None) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype,
                                       self.embed_tokens if cfg.tie_word_embeddings else None)
@@ -102,11 +113,15 @@ class CausalLM(nn.Module):
         if not self.cfg.tie_word_embeddings:
             m["lm_head.weight"] = ("lm_head.weight", None)
         for i in range(self.cfg.num_layers):
-            m |= layer_param_map(f"model.layers.{i}.", f"layers.{i}.", self.cfg.attention_bias)
+            c, src, dst = self.cfg, f"model.layers.{i}.", f"layers.{i}."
+            m |= layer_param_map(src, dst, c.attention_bias, qk_norm=c.qk_norm, mlp=i not in c.moe_layers)
+            if i in c.moe_layers:
+                m |= moe_param_map(src, dst, c.num_experts, mixtral=c.architecture == "mixtral")
         return m
 
 
-def layer_param_map(src: str, dst: str, qkv_bias: bool = False, input_norm: bool = True) -> dict:
+def layer_param_map(src: str, dst: str, qkv_bias: bool = False, input_norm: bool = True,
+                    qk_norm: bool = False, mlp: bool = True) -> dict:
     """Checkpoint names of one decoder layer -> (packed parameter, shard id), for targets and draft heads."""
     m: dict[str, tuple[str, object]] = {}
     for proj in ("q", "k", "v"):
@@ -114,9 +129,13 @@ def layer_param_map(src: str, dst: str, qkv_bias: bool = False, input_norm: bool
         if qkv_bias:
             m[f"{src}self_attn.{proj}_proj.bias"] = (f"{dst}self_attn.qkv_proj.bias", proj)
     m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
-    m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
-    m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
-    m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
+    if qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            m[f"{src}self_attn.{norm}.weight"] = (f"{dst}self_attn.{norm}.weight", None)
+    if mlp:
+        m[f"{src}mlp.gate_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 0)
+        m[f"{src}mlp.up_proj.weight"] = (f"{dst}mlp.gate_up_proj.weight", 1)
+        m[f"{src}mlp.down_proj.weight"] = (f"{dst}mlp.down_proj.weight", None)
     if input_norm:
         m[f"{src}input_layernorm.weight"] = (f"{dst}input_layernorm.weight", None)
     m[f"{src}post_attention_layernorm.weight"] = (f"{dst}post_attention_layernorm.weight", None)

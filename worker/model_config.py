@@ -11,12 +11,15 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without q/k/v bias, with per-head RMSNorm on q and k
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, sparse MoE MLPs (worker/moe.py)
+    "MixtralForCausalLM": "mixtral",  # Mistral attention, sparse MoE MLPs
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2
+    architecture: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,6 +34,13 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, as sorted items
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rotary embedding
+    # mixture of experts (0 experts: dense)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is sparse
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
@@ -78,7 +88,25 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling),
         eos_token_ids=eos_ids,
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        **_moe_fields(arch, hf),
     )
+
+
+def _moe_fields(arch: str, hf: dict) -> dict:
+    if arch == "mixtral":
+        return {"num_experts": hf["num_local_experts"], "experts_per_token": hf["num_experts_per_tok"],
+                "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
+                "moe_layers": tuple(range(hf["num_hidden_layers"]))}
+    if arch == "qwen3_moe":
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        experts = hf.get("num_experts", hf.get("num_local_experts", 0))  # Qwen's name, or transformers 5's
+        layers = tuple(i for i in range(hf["num_hidden_layers"])
+                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return {"num_experts": experts, "experts_per_token": hf["num_experts_per_tok"],
+                "moe_intermediate_size": hf["moe_intermediate_size"],
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": layers}
+    return {}
 
 
 def config_from_gguf(reader) -> ModelConfig:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams, TokenLogprobs
+from .stats import EngineSnapshot, StepMetrics
 
 ERROR_CONTEXT_LENGTH = "context_length_exceeded"  # OpenAI's code for a prompt over the context limit
 ERROR_ENGINE = "engine_error"
+ERROR_INVALID_GRAMMAR = "invalid_grammar"  # a grammar rank 0 could not compile against the vocabulary (400)
+FINISH_DEAD_END = "grammar_dead_end"  # finish_reason: the grammar allows no next token (e.g. all banned by logit_bias)
 
 
 @dataclass
@@ -38,8 +41,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when the request failed (finish_reason "error")
-    error_code: str | None = None  # why, for the front end's status: ERROR_CONTEXT_LENGTH (400) or ERROR_ENGINE (500)
+    error_code: str | None = None  # why, for the front end's status: ERROR_ENGINE is a 500, the others 400
     queue_seconds: float | None = None  # on a request's first report: arrival at rank 0 to first scheduling
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -47,8 +51,8 @@ class StepReport:
     """What rank 0 sends after each step: outputs plus engine stats (and step timings for metrics)."""
 
     outputs: list[RequestOutput]
-    stats: dict
-    step_metrics: dict = field(default_factory=dict)
+    stats: EngineSnapshot
+    step_metrics: StepMetrics = field(default_factory=StepMetrics)
 
 
 @dataclass

@@ -38,7 +38,7 @@ CPU_DEFAULT_MAX_TOKENS = 32768
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup, show_progress: bool = False):
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.source = config, tp, source
         self.dtype = resolve_dtype(config.dtype, tp.device)
         self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
         self.block_size = config.block_size
@@ -80,7 +80,7 @@ class ModelRunner:
         """Run the plan's tokens; returns (logits of sample_rows in float32, hidden states, aux hidden states)."""
         dev = self.tp.device
         slices = [SeqSlice(c, q, bt) for c, q, bt in plan.seqs]
-        meta = build_attention_metadata(slices, self.block_size, dev)
+        meta = build_attention_metadata(slices, self.block_size, dev, self.config.attention_backend)
         positions = torch.cat([torch.arange(s.ctx_len, s.ctx_len + s.q_len) for s in slices])
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         hidden, aux = self.model(ids, positions.to(dev), self.kv, meta)

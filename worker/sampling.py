@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .grammar import GrammarSpec
 
 
 class InvalidParameterError(ValueError):
@@ -34,10 +38,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus k alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: added to the logits; -100 bans, as OpenAI documents
+    grammar: GrammarSpec | None = None  # constrained decoding (rank 0 only)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -91,9 +101,14 @@ class SamplingParams:
             "top_logprobs",
             f"top_logprobs must be in [0, 20], got {self.logprobs!r}",
         )
+        check(all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias",
+              "logit_bias values must be in [-100, 100]")
+        check(len(self.logit_bias) <= 1024, "logit_bias", "logit_bias may name at most 1024 tokens")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
             check(not bad, "stop_token_ids", f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad}")
+            bad = [t for t, _ in self.logit_bias if not (isinstance(t, int) and 0 <= t < vocab_size)]
+            check(not bad, "logit_bias", f"logit_bias token ids out of vocabulary range [0, {vocab_size}): {bad}")
         return self
 
 
@@ -102,6 +117,16 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> None:
+    """In place on one row. A bias of -100 bans the token outright (OpenAI: "should result in a ban")."""
+    ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+    logits.index_add_(0, ids, bias)
+    banned = ids[bias <= -100.0]
+    if len(banned):
+        logits[banned] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import Matcher
+from .prefix_cache import Node, PrefixCache
 from .sampling import SamplingParams, TokenLogprobs
+from .stats import EngineSnapshot, PrefixCacheCounts
 
 
 class BlockPool:
@@ -58,6 +61,9 @@ class Sequence:
     # tokens produced but not yet reported to the front end
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    grammar: Matcher | None = None  # rank 0's grammar state for a constrained request
+    cache_nodes: list[Node] = field(default_factory=list)  # prefix-cache blocks this sequence pins: block_table[:n]
+    num_hit_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
     @property
     def output_ids(self) -> list[int]:
@@ -80,8 +86,9 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_running: int, token_budget: int, max_model_len: int):
-        self.pool = pool
+    def __init__(self, pool: BlockPool, max_running: int, token_budget: int, max_model_len: int,
+                 cache: PrefixCache | None = None, share_last_block: bool = True):
+        self.pool, self.cache, self.share_last_block = pool, cache, share_last_block
         self.max_running, self.token_budget, self.max_model_len = max_running, token_budget, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -99,6 +106,8 @@ class Scheduler:
         need = self.pool.blocks_for(total_tokens) - len(seq.block_table)
         if need <= 0:
             return True
+        if need > self.pool.num_free and self.cache is not None:
+            self.pool.release(self.cache.evict(need - self.pool.num_free))
         if need > self.pool.num_free:
             return False
         seq.block_table.extend(self.pool.allocate(need))
@@ -107,7 +116,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Drop a sequence's KV and requeue it at the front; it is recomputed from its tokens later."""
         self.running.remove(seq)
-        self.pool.release(seq.block_table)
+        self._release(seq)
         seq.num_cached = seq.draft_cached = 0
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -131,14 +140,21 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            self._lookup(seq)
             n = min(seq.num_uncached, budget)
             extra = reserve if n == seq.num_uncached else 0
             if not self._grow(seq, seq.num_cached + n + extra):
+                self._release(seq)
+                seq.num_cached = seq.draft_cached = 0
                 break
             self.waiting.popleft()
             self.running.append(seq)
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
+                seq.num_hit_tokens = seq.num_cached
+                if self.cache is not None:
+                    self.cache.stats.prompt_tokens += seq.num_prompt
+                    self.cache.stats.hit_tokens += seq.num_cached
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
@@ -149,6 +165,8 @@ class Scheduler:
         p = seq.params
         if (not p.ignore_eos and last in eos_ids) or last in p.stop_token_ids:
             seq.finish_reason = "stop"
+        elif seq.grammar is not None and seq.grammar.terminated:
+            seq.finish_reason = "stop"  # the grammar is complete (JSON closed) even where EOS is ignored
         elif len(seq.output_ids) >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
@@ -161,15 +179,50 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release(seq.block_table)
+        self._release(seq)
         self.by_request.pop(seq.request_id, None)
 
-    def stats(self) -> dict[str, int]:
-        used = (self.pool.num_blocks - self.pool.num_free) * self.pool.block_size
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "kv_used_tokens": used,
-            "kv_total_tokens": self.pool.num_blocks * self.pool.block_size,
-            "num_preemptions": self.num_preemptions,
-        }
+    # --- prefix cache --------------------------------------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> None:
+        """At admission: share the cached blocks that prefix the sequence's tokens (all but the last matched one
+        when the draft's KV must stay exact, see prefix_cache.py)."""
+        if self.cache is None or seq.num_cached or seq.block_table:
+            return
+        chain = self.cache.match(seq.token_ids)
+        if not self.share_last_block:
+            chain = chain[:-1]
+        if not chain:
+            return
+        self.cache.pin(chain)
+        bs = self.pool.block_size
+        seq.cache_nodes = chain
+        seq.block_table = [n.block for n in chain]
+        seq.num_cached = len(chain) * bs
+        seq.draft_cached = next((i for i, n in enumerate(chain) if not n.draft_ok), len(chain)) * bs
+
+    def cache_progress(self, seq: Sequence) -> None:
+        """After a prefill chunk: its full blocks join the tree, so requests arriving meanwhile share them."""
+        if self.cache is not None:
+            self.cache.insert(seq.token_ids, seq.block_table, seq.cache_nodes, seq.num_cached, seq.draft_cached)
+
+    def _release(self, seq: Sequence) -> None:
+        """Hand the sequence's full blocks to the tree, free the rest, unpin what it used."""
+        if self.cache is None:
+            self.pool.release(seq.block_table)
+            return
+        self.cache.mark_draft(seq.cache_nodes, seq.draft_cached)
+        self.cache.insert(seq.token_ids, seq.block_table, seq.cache_nodes, seq.num_cached, seq.draft_cached)
+        self.pool.release(seq.block_table[len(seq.cache_nodes):])
+        self.cache.unpin(seq.cache_nodes)
+        seq.block_table.clear()
+        seq.cache_nodes = []
+
+    def snapshot(self, **more) -> EngineSnapshot:
+        bs = self.pool.block_size
+        idle = 0 if self.cache is None else self.cache.evictable()  # cached, held by no one: free on demand
+        c = self.cache.stats if self.cache is not None else None
+        return EngineSnapshot(running=len(self.running), waiting=len(self.waiting),
+                              kv_used_tokens=(self.pool.num_blocks - self.pool.num_free - idle) * bs,
+                              kv_total_tokens=self.pool.num_blocks * bs, num_preemptions=self.num_preemptions,
+                              prefix_cache=None if c is None else PrefixCacheCounts(
+                                  c.prompt_tokens, c.hit_tokens, c.cached_blocks * bs, c.evicted_blocks * bs), **more)

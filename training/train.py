@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from speculative.heads import default_aux_layers
 from worker.config import DEFAULT_MODEL, EngineConfig
 from worker.dist import single_rank_group
 from worker.loader import load_target
 from worker.model_files import resolve_model
 
-from .heads import default_aux_layers
 from .train_data import collect
 from .train_model import TRAINABLE
 
@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
     p.add_argument("--distilled", action="store_true",
-                   help="train on the committed answers of `eaglegate distill` (speculative/distilled/) instead of "
+                   help="train on the committed answers of `eaglegate distill` (training/distilled/) instead of "
                         "generating --num-prompts answers")
     p.add_argument("--conversations", type=int, default=0,
                    help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)")

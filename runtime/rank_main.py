@@ -13,10 +13,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
-from .dist import TPGroup
-from .model_files import resolve_model
-from .protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, ShutdownPlan, SpecPlan, StepPlan
+from speculative.leader import make_spec_follower, make_spec_leader
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.leader import Leader, follower_step
+from worker.loader import resolve_dtype
+from worker.model_files import resolve_model
+from worker.protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, ShutdownPlan, SpecPlan, StepPlan
+from worker.quant import resolve_quantization
+from worker.runner import ModelRunner
+
+from .agreement import StartupMismatchError, agree
 
 HEARTBEAT_S = 1.0  # an idle leader broadcasts this often so followers' collectives never time out
 
@@ -72,8 +79,6 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
             tp.trace = []
         source = resolve_model(config.model_path)
         _agree(config, source, tp)
-        from .runner import ModelRunner
-
         runner = ModelRunner(config, source, tp, show_progress=rank == 0)
         if rank == 0:
             _lead(config, runner, tp, ctx, in_addr, outbox)
@@ -84,8 +89,6 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
             outbox.send_pyobj(Fatal(f"rank {rank}: {type(e).__name__}: {e}", type(e).__name__))
             outbox.close(linger=2000)  # deliver the report before exiting: os._exit drops queued messages
             ctx.term()
-        from .agreement import StartupMismatchError
-
         if isinstance(e, StartupMismatchError):
             print(f"eaglegate rank {rank}: {e}", file=sys.stderr, flush=True)
         elif not isinstance(e, KeyboardInterrupt):
@@ -101,9 +104,7 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
 
 def _agree(config: EngineConfig, source, tp: TPGroup) -> None:
     """Every rank states what it will load and serve; any difference stops every rank before loading."""
-    from .agreement import agree
-    from .loader import resolve_dtype
-    from .quant import resolve_quantization
+
 
     dtype = resolve_dtype(config.dtype, tp.device)
     try:
@@ -115,11 +116,7 @@ def _agree(config: EngineConfig, source, tp: TPGroup) -> None:
 
 def _make_leader(config, runner, tp):
     if config.spec.enabled:
-        from speculative.leader import make_spec_leader
-
         return make_spec_leader(config, runner, tp)
-    from .leader import Leader
-
     return Leader(config, runner, tp)
 
 
@@ -165,12 +162,8 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox) -> None:
 
 def _follow(config, runner, tp: TPGroup) -> None:
     """Execute rank 0's plans until it says shutdown; no scheduling state lives here."""
-    from .leader import follower_step
-
     spec_step = None
     if config.spec.enabled:
-        from speculative.leader import make_spec_follower
-
         spec_step = make_spec_follower(config, runner, tp)
     while True:
         plan: StepPlan = tp.broadcast_object()

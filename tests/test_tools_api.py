@@ -1,0 +1,161 @@
+"""Structured outputs, tool calls and the Responses API through real clients: LangChain and the official `openai`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import API_KEY
+from pydantic import BaseModel
+
+MODEL = "smollm2-135m-instruct"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.fixture(scope="module")
+def client(api_server):
+    return openai.OpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(api_server):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, model=MODEL, temperature=0,
+                      max_tokens=80, max_retries=0)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_langchain_with_structured_output(llm, method):
+    out = llm.with_structured_output(Person, method=method).invoke(
+        "Extract the person as JSON with keys name and age: Carol is 25 years old.")
+    assert isinstance(out, Person) and out.age == 25
+
+
+def test_langchain_bind_tools_required(llm):
+    from langchain_core.tools import tool
+
+    @tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    msg = llm.bind_tools([multiply], tool_choice="required").invoke("What is 6 times 7?")
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "multiply"
+    args = msg.tool_calls[0]["args"]
+    assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+
+
+def test_response_format_json_schema_and_json_object(client):
+    schema = Person.model_json_schema()
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=60, messages=[
+        {"role": "user", "content": "Dave is 31. Give him as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    parsed = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=60, response_format=Person,
+                                           messages=[{"role": "user", "content": "Eve is 52. As JSON."}])
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120,
+                                       response_format={"type": "json_object"},
+                                       messages=[{"role": "user", "content": "Give the weather in Oslo as a JSON "
+                                                                             "object with keys city and temperature."}])
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_tool_calls_non_streaming_and_streamed_as_deltas(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
+                                       temperature=0, max_tokens=60)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            temperature=0, max_tokens=60)
+    name, args, finish = None, "", None
+    for chunk in stream:
+        c = chunk.choices[0]
+        for d in c.delta.tool_calls or ():
+            assert d.index == 0
+            name = d.function.name or name
+            args += d.function.arguments or ""
+        finish = c.finish_reason or finish
+    assert (name, json.loads(args), finish) == ("get_weather", {"city": "Paris"}, "tool_calls")
+    # the call and its result go back into the history; the model answers in text
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=40)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+def test_responses_create_and_stream(client):
+    r = client.responses.create(model=MODEL, input="What is the capital of France? One word.",
+                                instructions="Answer briefly.", max_output_tokens=10, temperature=0)
+    assert "Paris" in r.output_text and r.usage.output_tokens <= 10
+    with client.responses.stream(model=MODEL, input=[{"role": "user",
+                                                      "content": "What is the capital of France? One word."}],
+                                 instructions="Answer briefly.", max_output_tokens=10, temperature=0) as stream:
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "Paris" in final.output_text
+    tool = {"type": "function", **WEATHER["function"]}
+    r = client.responses.create(model=MODEL, input="Weather in Rome?", tools=[tool], tool_choice="required",
+                                temperature=0, max_output_tokens=40)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
+    parsed = client.responses.parse(model=MODEL, input="Bob is 42.", text_format=Person, temperature=0,
+                                    max_output_tokens=40)
+    assert parsed.output_parsed == Person(name="Bob", age=42)
+
+
+OK_FIELDS = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u1", "parallel_tool_calls": False,
+             "prediction": {"type": "content", "content": "x"}, "safety_identifier": "s", "prompt_cache_key": "p"}
+BAD_GRAMMARS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     "response_format.json_schema.schema"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"ebnf": "root ::= "}, "ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({"no_such_field": 1}, "no_such_field"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_GRAMMARS, ids=[p for _, p in BAD_GRAMMARS])
+def test_bad_grammars_and_fields_get_a_400_naming_them(api_server, client, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | extra
+    r = httpx.post(api_server.base_url + "/v1/chat/completions", json=body, headers=api_server.headers(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                        temperature=0, extra_body=OK_FIELDS)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_dead_end_grammar_finishes_with_its_reason_and_serving_goes_on(client, smol_engine):
+    [token] = smol_engine.encode("Z")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say Z"}], max_tokens=4,
+                                       temperature=0, logit_bias={str(token): -100},
+                                       extra_body={"ebnf": 'root ::= "Z"'})
+    assert r.choices[0].finish_reason == "grammar_dead_end" and r.choices[0].message.content == ""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say Z"}], max_tokens=4,
+                                       temperature=0, extra_body={"ebnf": 'root ::= "Z"'})
+    assert r.choices[0].message.content == "Z" and r.choices[0].finish_reason == "stop"

@@ -1,0 +1,140 @@
+"""Grammar-constrained decoding on rank 0 (xgrammar): JSON, JSON Schema, regex and EBNF.
+
+Only rank 0 holds grammar state; the other ranks never see a grammar. Before rank 0 chooses a token it masks
+that row's logits to what the grammar allows; a committed token advances the matcher. Speculative
+verification walks the tree with the matcher (accepting along the path, rolling back afterwards), so a draft
+token the grammar forbids is never accepted and the bonus token comes from the masked distribution: output is
+that of plain constrained decoding. JSON is generated compact (no free whitespace), which keeps a small model
+from filling its budget with blank lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import InvalidParameterError
+
+KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+class InvalidGrammarError(InvalidParameterError):
+    """A schema, regex or grammar that cannot be compiled; `param` names the request field (a 400)."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrains one request's output: `kind` in KINDS and its source (schema JSON, regex or EBNF)."""
+
+    kind: str
+    source: str = ""
+    param: str = "response_format"  # the request field it came from, for error messages
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Parse without a tokenizer (fast), so a bad grammar is a 400 before the request reaches rank 0."""
+    if spec.kind not in KINDS:
+        raise InvalidGrammarError(spec.param, f"unknown grammar kind {spec.kind!r}; use one of {', '.join(KINDS)}")
+    if spec.kind == "json_schema":
+        _check_schema(spec)
+    try:
+        _grammar(spec)
+    except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+        raise InvalidGrammarError(spec.param, f"invalid {spec.kind}: {_first_line(e)}") from e
+
+
+def _check_schema(spec: GrammarSpec) -> None:
+    import jsonschema
+
+    try:
+        schema = json.loads(spec.source)
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except (ValueError, jsonschema.SchemaError) as e:
+        msg = e.message if isinstance(e, jsonschema.SchemaError) else str(e)
+        raise InvalidGrammarError(spec.param, f"invalid JSON schema: {msg}") from e
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return re.sub(r"^(\[[^\]]*\]\s*)?\S+\.cc:\d+:\s*", "", text)  # drop xgrammar's "[time] file.cc:line:" prefix
+
+
+def _grammar(spec: GrammarSpec):
+    import xgrammar as xgr
+
+    if spec.kind == "json_object":  # any object, compact
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.source)
+    return xgr.Grammar.from_ebnf(spec.source)
+
+
+class Grammars:
+    """Rank 0's compiler: one per engine, built on first use (importing xgrammar takes seconds)."""
+
+    def __init__(self, tokenizer_loader, vocab_size: int, stop_ids: tuple[int, ...]):
+        self._load_tokenizer, self.vocab_size, self.stop_ids = tokenizer_loader, vocab_size, stop_ids
+        self._compiler = None
+        self._compiled: dict[GrammarSpec, object] = {}  # repeated schemas (every call of one tool) compile once
+
+    def matcher(self, spec: GrammarSpec) -> Matcher:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.stop_ids))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        compiled = self._compiled.pop(spec, None) or self._compiler.compile_grammar(_grammar(spec))
+        self._compiled[spec] = compiled  # most recently used last
+        if len(self._compiled) > 256:
+            del self._compiled[next(iter(self._compiled))]
+        return Matcher(xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+@dataclass
+class Matcher:
+    """One sequence's grammar state on rank 0; `speculative` counts tokens accepted only for a verify walk."""
+
+    inner: object  # xgrammar.GrammarMatcher
+    vocab_size: int
+    speculative: list[int] = field(default_factory=list)
+    _rollback: int = 0
+    _bitmask: torch.Tensor | None = None
+
+    def mask(self, row: torch.Tensor) -> torch.Tensor:
+        """A copy of `row` with every token the grammar forbids at -inf (all -inf at a dead end).
+
+        Past the end (a verify walk that accepted the stop token) nothing more is committed: the row is as is."""
+        import xgrammar as xgr
+
+        if self.terminated:
+            return row
+        if self._bitmask is None:
+            self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.inner.fill_next_token_bitmask(self._bitmask)
+        out = row.float().clone().unsqueeze(0)
+        xgr.apply_token_bitmask_inplace(out, self._bitmask, vocab_size=self.vocab_size)
+        return out[0]
+
+    def accept(self, token: int) -> bool:
+        return bool(self.inner.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+    def speculate(self, path_tokens: list[int]) -> None:
+        """Bring the matcher to committed + path_tokens (a verify walk only ever extends its path)."""
+        for tok in path_tokens[len(self.speculative):]:
+            self._rollback += int(self.accept(tok))
+            self.speculative.append(tok)
+
+    def end_speculation(self) -> None:
+        if self._rollback:
+            self.inner.rollback(self._rollback)
+        self.speculative, self._rollback = [], 0

@@ -1,0 +1,129 @@
+"""Rank 0's prefix cache: a radix tree over full KV blocks (SGLang's RadixAttention, page-granular).
+
+Each node is one block of `block_size` tokens whose target KV, EAGLE features and (where marked) draft KV are
+valid for the exact token prefix on the path from the root. A sequence pins the nodes it uses; unpinned leaves
+are evicted least recently used when the pool runs short. Only rank 0 keeps the tree: a hit changes a
+sequence's block table and cached length, which reach the other ranks in the step plan like any other block
+table, so followers need no tree of their own.
+
+A hit shares every matched block but the last, which is recomputed into a private block: the draft's KV at a
+block's last position depends on the next token, and recomputing one block keeps every shared block read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    block: int
+    parent: Node | None
+    draft_ok: bool = False  # the draft's KV for every position of this block is valid
+    refs: int = 0
+    last_used: int = 0
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+
+
+@dataclass
+class CacheStats:
+    hit_tokens: int = 0  # prompt tokens served from the cache
+    prompt_tokens: int = 0  # prompt tokens admitted (hit or not)
+    evicted_blocks: int = 0
+    cached_blocks: int = 0
+
+
+class PrefixCache:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.root = Node((), -1, None)
+        self.clock = count(1)
+        self.stats = CacheStats()
+        self.pinned = 0  # nodes some sequence holds; chains start at the root, so their ancestors are held too
+
+    def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+
+    def match(self, tokens: list[int]) -> list[Node]:
+        """The longest chain of cached blocks that prefixes `tokens`, leaving at least one token to compute."""
+        node, chain = self.root, []
+        for i in range((len(tokens) - 1) // self.block_size):
+            node = node.children.get(self._key(tokens, i))
+            if node is None:
+                break
+            chain.append(node)
+        return chain
+
+    def pin(self, chain: list[Node]) -> None:
+        now = next(self.clock)
+        for node in chain:
+            self.pinned += node.refs == 0
+            node.refs += 1
+            node.last_used = now
+
+    def unpin(self, chain: list[Node]) -> None:
+        now = next(self.clock)
+        for node in chain:
+            assert node.refs > 0, "unpinning a block no sequence holds"
+            node.refs -= 1
+            self.pinned -= node.refs == 0
+            node.last_used = now
+
+    def insert(self, tokens: list[int], blocks: list[int], chain: list[Node], num_valid: int,
+               draft_valid: int) -> list[int]:
+        """Extend `chain` (pinned, covering blocks[:len(chain)]) with the sequence's further full blocks.
+
+        A block becomes a node (owned by the tree, pinned by the sequence) unless another sequence already cached
+        the same tokens: then the chain stops and the rest stay private. Returns the blocks the tree took."""
+        taken = []
+        parent = chain[-1] if chain else self.root
+        now = next(self.clock)
+        for i in range(len(chain), num_valid // self.block_size):
+            key = self._key(tokens, i)
+            if key in parent.children:
+                break
+            node = Node(key, blocks[i], parent, draft_valid >= (i + 1) * self.block_size, 1, now)
+            parent.children[key] = node
+            chain.append(node)
+            taken.append(blocks[i])
+            parent = node
+        self.stats.cached_blocks += len(taken)
+        self.pinned += len(taken)
+        return taken
+
+    def mark_draft(self, chain: list[Node], draft_valid: int) -> None:
+        for i, node in enumerate(chain):
+            node.draft_ok = node.draft_ok or draft_valid >= (i + 1) * self.block_size
+
+    def evict(self, want: int) -> list[int]:
+        """Free up to `want` blocks: unpinned leaves, least recently used first (parents become leaves)."""
+        leaves = [n for n in self._nodes() if not n.children and n.refs == 0]
+        freed: list[int] = []
+        while leaves and len(freed) < want:
+            leaves.sort(key=lambda n: n.last_used, reverse=True)
+            node = leaves.pop()
+            del node.parent.children[node.key]
+            freed.append(node.block)
+            parent = node.parent
+            if parent is not self.root and not parent.children and parent.refs == 0:
+                leaves.append(parent)
+        self.stats.evicted_blocks += len(freed)
+        self.stats.cached_blocks -= len(freed)
+        return freed
+
+    def evictable(self) -> int:
+        """Blocks eviction could free now: every node no sequence holds."""
+        return self.stats.cached_blocks - self.pinned
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def blocks(self) -> set[int]:
+        return {n.block for n in self._nodes()}
