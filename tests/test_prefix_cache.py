@@ -74,7 +74,8 @@ def test_the_last_matched_block_is_recomputed_when_draft_kv_must_stay_exact():
         sched.add(_seq(i, prompt))
         _run_prefill(sched)
     a, b = sched.running
-    assert b.num_hit_tokens == 8 and b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert b.num_hit_tokens == 8  # 3 blocks matched, 2 shared at admission, the third recomputed
+    assert b.block_table == a.block_table[:3] + b.block_table[3:]  # then deduplicated into the cached copy
 
 
 def test_eviction_under_a_small_pool_never_frees_a_held_block():
@@ -202,3 +203,16 @@ def test_small_pool_evicts_and_keeps_serving(smol_dir):
     assert all(r.finish_reason in ("stop", "length") for r in out)
     assert [r.token_ids for r in again] == [r.token_ids for r in out[:2]]
     assert stats["prefix_cache_evicted_tokens"] > 0 and stats["kv_used_tokens"] == 0
+
+
+def test_two_sequences_prefilling_the_same_prompt_at_once_end_up_sharing_blocks():
+    sched = Scheduler(BlockPool(16, BS), 8, 64, 64, PrefixCache(BS))
+    prompt = list(range(500, 513))
+    a, b = _seq(0, prompt), _seq(1, prompt)
+    sched.add(a)
+    sched.add(b)
+    _run_prefill(sched)  # both admitted in one step: neither could hit, each computed its own blocks
+    assert a.num_hit_tokens == b.num_hit_tokens == 0
+    assert b.block_table[:3] == a.block_table[:3] and [n.refs for n in a.cache_nodes] == [2, 2, 2]
+    _check(sched)
+    assert sched.pool.num_free == 16 - 3 - 2  # three shared blocks, one private tail each

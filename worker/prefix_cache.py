@@ -72,26 +72,28 @@ class PrefixCache:
             node.last_used = now
 
     def insert(self, tokens: list[int], blocks: list[int], chain: list[Node], num_valid: int,
-               draft_valid: int) -> list[int]:
-        """Extend `chain` (pinned, covering blocks[:len(chain)]) with the sequence's further full blocks.
-
-        A block becomes a node (owned by the tree, pinned by the sequence) unless another sequence already cached
-        the same tokens: then the chain stops and the rest stay private. Returns the blocks the tree took."""
-        taken = []
+               draft_valid: int) -> list[tuple[int, Node]]:
+        """Extend `chain` (pinned, covering blocks[:len(chain)]) with the sequence's further full blocks, pinning
+        each node it joins. A block whose tokens are new becomes a node the tree owns. A block whose tokens
+        another sequence cached meanwhile (both prefilled the same prefix at once) is a duplicate: returned as
+        (index, node) so the caller swaps in the node's block and frees its own."""
+        duplicates = []
         parent = chain[-1] if chain else self.root
         now = next(self.clock)
         for i in range(len(chain), num_valid // self.block_size):
             key = self._key(tokens, i)
-            if key in parent.children:
-                break
-            node = Node(key, blocks[i], parent, draft_valid >= (i + 1) * self.block_size, 1, now)
-            parent.children[key] = node
+            node = parent.children.get(key)
+            if node is None:
+                node = Node(key, blocks[i], parent, draft_valid >= (i + 1) * self.block_size)
+                parent.children[key] = node
+                self.stats.cached_blocks += 1
+            else:
+                duplicates.append((i, node))
+            self.pin([node])
+            node.last_used = now
             chain.append(node)
-            taken.append(blocks[i])
             parent = node
-        self.stats.cached_blocks += len(taken)
-        self.pinned += len(taken)
-        return taken
+        return duplicates
 
     def mark_draft(self, chain: list[Node], draft_valid: int) -> None:
         for i, node in enumerate(chain):

@@ -203,7 +203,15 @@ class Scheduler:
     def cache_progress(self, seq: Sequence) -> None:
         """After a prefill chunk: its full blocks join the tree, so requests arriving meanwhile share them."""
         if self.cache is not None:
-            self.cache.insert(seq.token_ids, seq.block_table, seq.cache_nodes, seq.num_cached, seq.draft_cached)
+            self._insert(seq)
+
+    def _insert(self, seq: Sequence) -> None:
+        dups = self.cache.insert(seq.token_ids, seq.block_table, seq.cache_nodes, seq.num_cached, seq.draft_cached)
+        for i, node in dups:  # the same tokens cached by another sequence: share its block, free ours
+            self.pool.release([seq.block_table[i]])
+            seq.block_table[i] = node.block
+            if not node.draft_ok:  # the shared block's draft KV may be missing: the draft catches up from here
+                seq.draft_cached = min(seq.draft_cached, i * self.pool.block_size)
 
     def _release(self, seq: Sequence) -> None:
         """Hand the sequence's full blocks to the tree, free the rest, unpin what it used."""
@@ -211,7 +219,7 @@ class Scheduler:
             self.pool.release(seq.block_table)
             return
         self.cache.mark_draft(seq.cache_nodes, seq.draft_cached)
-        self.cache.insert(seq.token_ids, seq.block_table, seq.cache_nodes, seq.num_cached, seq.draft_cached)
+        self._insert(seq)
         self.pool.release(seq.block_table[len(seq.cache_nodes):])
         self.cache.unpin(seq.cache_nodes)
         seq.block_table.clear()
