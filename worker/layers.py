@@ -313,3 +313,20 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP (Llama's, and each MoE expert's): gate and up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, tp, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, dtype)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce (MoE sums experts' shares, then reduces once)."""
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.tp.all_reduce(self.partial(x))

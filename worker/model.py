@@ -8,7 +8,7 @@ from torch import nn
 from .attention import AttentionMetadata, attend
 from .dist import TPGroup
 from .layers import (
-    MergedColumnParallelLinear,
+    GatedMLP,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -48,15 +48,8 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+def MLP(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> GatedMLP:  # noqa: N802 - reads as the module it makes
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype)
 
 
 class DecoderLayer(nn.Module):

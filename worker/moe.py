@@ -19,20 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dist import TPGroup
-from .layers import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear, linear
+from .layers import GatedMLP, ReplicatedLinear
 from .model_config import ModelConfig
-
-
-class Expert(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.moe_intermediate_size] * 2, tp, dtype)
-        self.down_proj = RowParallelLinear(cfg.moe_intermediate_size, cfg.hidden_size, tp, dtype)
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the expert's output (the caller all-reduces the sum over experts once)."""
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -41,7 +29,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp, self.top_k, self.norm_topk = tp, cfg.experts_per_token, cfg.norm_topk_prob
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype)
-        self.experts = nn.ModuleList(Expert(cfg, tp, dtype) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, tp, dtype)
+                                     for _ in range(cfg.num_experts))
         # fault injection (tests): router logits that differ by rank, and the bug of routing on every rank
         self.router_noise, self.local_routing = router_noise * tp.rank, local_routing
         self.noise = torch.Generator(device=tp.device)
