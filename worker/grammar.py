@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -98,28 +98,26 @@ class Grammars:
 
 @dataclass
 class Matcher:
-    """One sequence's grammar state on rank 0; `speculative` counts tokens accepted only for a verify walk."""
+    """One sequence's grammar state on rank 0, plus how far a verify walk has advanced it past the commit."""
 
     inner: object  # xgrammar.GrammarMatcher
     vocab_size: int
-    speculative: list[int] = field(default_factory=list)
-    _rollback: int = 0
+    _walked: int = 0  # path tokens a verify walk has fed
+    _rollback: int = 0  # of those, accepted (what end_speculation undoes)
     _bitmask: torch.Tensor | None = None
 
-    def mask(self, row: torch.Tensor) -> torch.Tensor:
-        """A copy of `row` with every token the grammar forbids at -inf (all -inf at a dead end).
+    def mask_(self, row: torch.Tensor) -> None:
+        """In place on a float32 row the caller owns: every token the grammar forbids at -inf (all at a dead end).
 
-        Past the end (a verify walk that accepted the stop token) nothing more is committed: the row is as is."""
+        Past the end (a verify walk that accepted the stop token) nothing more is committed: the row is left."""
         import xgrammar as xgr
 
         if self.terminated:
-            return row
+            return
         if self._bitmask is None:
             self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         self.inner.fill_next_token_bitmask(self._bitmask)
-        out = row.float().clone().unsqueeze(0)
-        xgr.apply_token_bitmask_inplace(out, self._bitmask, vocab_size=self.vocab_size)
-        return out[0]
+        xgr.apply_token_bitmask_inplace(row.unsqueeze(0), self._bitmask, vocab_size=self.vocab_size)
 
     def accept(self, token: int) -> bool:
         return bool(self.inner.accept_token(token))
@@ -130,11 +128,11 @@ class Matcher:
 
     def speculate(self, path_tokens: list[int]) -> None:
         """Bring the matcher to committed + path_tokens (a verify walk only ever extends its path)."""
-        for tok in path_tokens[len(self.speculative):]:
+        for tok in path_tokens[self._walked:]:
             self._rollback += int(self.accept(tok))
-            self.speculative.append(tok)
+        self._walked = max(self._walked, len(path_tokens))
 
     def end_speculation(self) -> None:
         if self._rollback:
             self.inner.rollback(self._rollback)
-        self.speculative, self._rollback = [], 0
+        self._walked = self._rollback = 0

@@ -221,19 +221,21 @@ class Leader:
 
 
 def prepare_logits(seq: Sequence, row: torch.Tensor, path_tokens: list[int] | tuple = ()) -> torch.Tensor:
-    """Rank 0's view of one row before choosing a token: logit bias, penalties, then the grammar mask.
+    """Rank 0's view of one row before choosing a token: logit bias, penalties, then the grammar mask, applied
+    to one float32 copy (the row itself is left for logprobs).
 
     `path_tokens` are tokens accepted after the committed ones in a verify walk (speculative decoding)."""
     p = seq.params
-    if p.adjusts_logits:
-        row = row.clone()
-        if p.logit_bias:
-            apply_logit_bias(row, p)
-        if p.has_penalties:
-            apply_penalties(row, p, seq.token_ids[: seq.num_prompt], seq.output_ids + list(path_tokens))
+    if not p.adjusts_logits and seq.grammar is None:
+        return row
+    row = row.float().clone()
+    if p.logit_bias:
+        apply_logit_bias(row, p)
+    if p.has_penalties:
+        apply_penalties(row, p, seq.token_ids[: seq.num_prompt], seq.output_ids + list(path_tokens))
     if seq.grammar is not None:
         seq.grammar.speculate(list(path_tokens))
-        row = seq.grammar.mask(row)
+        seq.grammar.mask_(row)
     return row
 
 

@@ -12,6 +12,7 @@ block's last position depends on the next token, and recomputing one block keeps
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -101,16 +102,16 @@ class PrefixCache:
 
     def evict(self, want: int) -> list[int]:
         """Free up to `want` blocks: unpinned leaves, least recently used first (parents become leaves)."""
-        leaves = [n for n in self._nodes() if not n.children and n.refs == 0]
+        leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.refs == 0]
+        heapq.heapify(leaves)
         freed: list[int] = []
         while leaves and len(freed) < want:
-            leaves.sort(key=lambda n: n.last_used, reverse=True)
-            node = leaves.pop()
+            node = heapq.heappop(leaves)[2]
             del node.parent.children[node.key]
             freed.append(node.block)
             parent = node.parent
             if parent is not self.root and not parent.children and parent.refs == 0:
-                leaves.append(parent)
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
         self.stats.evicted_blocks += len(freed)
         self.stats.cached_blocks -= len(freed)
         return freed

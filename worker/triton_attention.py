@@ -10,6 +10,7 @@ interpreter (TRITON_INTERPRET=1) against `worker/attention.py`, which stays the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ def paged_rows(seqs: list[SeqSlice], device: torch.device) -> PagedRows:
                      torch.tensor(tree_mask, dtype=torch.int64, device=device), tables.to(device))
 
 
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -99,20 +101,14 @@ def _kernel():
     return paged_attention
 
 
-_KERNEL = None
-
-
 def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: PagedRows,
                   block_size: int, scale: float, block_n: int = 32) -> torch.Tensor:
     """q: [N, H, D] (keys already written to the cache); returns [N, H, D] in float32."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _kernel()
     n, h, d = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
     out = torch.empty(n, h, d, dtype=torch.float32, device=q.device)
-    _KERNEL[(n, hkv)](q.float().contiguous(), k_cache.contiguous(), v_cache.contiguous(), out, rows.seq, rows.limit,
+    _kernel()[(n, hkv)](q.float().contiguous(), k_cache.contiguous(), v_cache.contiguous(), out, rows.seq, rows.limit,
                       rows.tree_len, rows.tree_mask, rows.block_tables, rows.block_tables.stride(0), scale,
                       block_size, H=h, HKV=hkv, G=g, GP=max(2, 1 << (g - 1).bit_length()), D=d, BLOCK_N=block_n)
     return out
