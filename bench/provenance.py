@@ -13,7 +13,9 @@ import torch
 
 
 def provenance() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the device machine gets a copy of the tree without .git: scripts/device-check.sh passes the commit along
+    commit = os.environ.get("EAGLEGATE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                  text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit + ("+dirty" if dirty else ""),

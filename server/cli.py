@@ -34,8 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--attention-backend", choices=["torch", "triton"], default="torch",
-                   help="torch: the reference path (CPU default); triton: paged kernels for GPUs")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="torch: the reference path (CPU); triton: paged kernels (GPU); auto: triton on GPUs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA/HIP graph capture of decode and verify steps (GPU only; CPU is always eager)")
+    p.add_argument("--cuda-graph-max-rows", type=int, default=256,
+                   help="largest step (decode plus verify-tree rows) replayed from a captured graph")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="turn off the prefix cache (a radix tree of KV blocks on rank 0)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -98,6 +102,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         disable_radix_cache=args.disable_radix_cache,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_rows=args.cuda_graph_max_rows,
         max_model_len=args.max_model_len,
         dist_init_addr=args.dist_init_addr,
         nnodes=args.nnodes,

@@ -128,7 +128,7 @@ class DraftHead(nn.Module):
         self._target = [target]  # a reference, not a submodule: its weights belong to the target
         cfg = dcfg.layer
         h = cfg.hidden_size
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         if self.kind == "eagle":
             self.fc = ReplicatedLinear(2 * h, h, dcfg.fc_bias, dtype)
             self.layer = DecoderLayer(cfg, tp, dtype, input_norm=dcfg.input_norm)

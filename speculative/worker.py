@@ -59,7 +59,7 @@ class SpecWorker:
         self.features = torch.zeros(slots, h, dtype=torch.float32 if tp.device.type == "cpu" else runner.dtype,
                                     device=tp.device)
         runner.on_hidden = self._store_features
-        self.bs, self.backend = runner.block_size, config.attention_backend
+        self.bs, self.backend = runner.block_size, runner.attention_backend
         self.max_depth = self.spec.num_steps + self.spec.context_tokens  # longest path a verify tree can hold
         self.cost: CostTable | None = None
         if self.spec.cost_table == "auto":
@@ -84,11 +84,9 @@ class SpecWorker:
         ctx = max(0, min(CALIBRATION_CONTEXT, len(table) * self.bs - top))
         dev, model = self.tp.device, self.runner.model
 
-        def forward(r: int) -> float:
-            meta = build_attention_metadata([SeqSlice(ctx, r, table)], self.bs, dev, self.backend)
+        def forward(r: int) -> float:  # the serving path: a graph replay where the step fits one
             t0 = time.perf_counter()
-            hidden, _ = model(torch.zeros(r, dtype=torch.long, device=dev), torch.arange(ctx, ctx + r, device=dev),
-                              self.runner.kv, meta)
+            hidden, _, _ = self.runner.run_model([0] * r, list(range(ctx, ctx + r)), [SeqSlice(ctx, r, table)])
             model.compute_logits(hidden).float()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -187,7 +185,6 @@ class SpecWorker:
                 break
 
     def _verify_forward(self, step: SpecPlan, vtrees: list[VerifyTree]) -> torch.Tensor:
-        dev = self.tp.device
         ids, pos, slices = [], [], []
         for q, vt in zip(step.seqs, vtrees):
             n = q.ctx_len
@@ -195,11 +192,9 @@ class SpecWorker:
             ids += vt.tokens
             pos += [n + d for d in vt.depths]
             slices.append(SeqSlice(n, vt.size, q.block_table, TreeKeys(write, write, vt.mask())))
-        meta = build_attention_metadata(slices, self.bs, dev, self.backend)
-        model = self.runner.model
-        hidden, aux = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.runner.kv, meta)
-        self._store_features(hidden, aux, meta.slot_mapping)
-        return self.runner.perturb(model.compute_logits(hidden).float())
+        hidden, aux, slot_mapping = self.runner.run_model(ids, pos, slices)
+        self._store_features(hidden, aux, slot_mapping)
+        return self.runner.perturb(self.runner.model.compute_logits(hidden).float())
 
     def _commit_kv(self, step: SpecPlan, vtrees: list[VerifyTree], commits: list[Commit]) -> None:
         """Move the accepted nodes' target KV and features to consecutive positions after the root."""

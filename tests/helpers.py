@@ -19,11 +19,23 @@ def save_tiny_model(folder: Path, arch: str = "llama", heads: int = 4, kv_heads:
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[arch]
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM)}[arch]
     moe = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
                          "decoder_sparse_step": 1, "norm_topk_prob": True},
-           "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}.get(arch, {})
+           # a dense middle layer, a gated shared expert, unnormalised top-k weights, q/k/v bias
+           "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
+                         "shared_expert_intermediate_size": 2 * intermediate, "mlp_only_layers": [1],
+                         "norm_topk_prob": False},
+           "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+           # GLM-4.5's shape in small: a dense first layer, 8 experts in 2 groups (top-1 group, top-2 experts), one
+           # shared expert, scaled weights, q/k/v bias, q/k norm, rotary over half of each head
+           "glm4_moe": {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
+                        "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                        "routed_scaling_factor": 2.5, "attention_bias": True, "use_qk_norm": True,
+                        "num_nextn_predict_layers": 0}}.get(arch, {})
     cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **moe)
@@ -39,6 +51,9 @@ def save_tiny_model(folder: Path, arch: str = "llama", heads: int = 4, kv_heads:
                 p.normal_(0, 1.0)
             else:
                 p.normal_(0, 1.5 / p.shape[1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the expert choice: make it matter
+                b.normal_(0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
     tok_src = default_model_dir() / "tokenizer"
     for f in tok_src.iterdir():

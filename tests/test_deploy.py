@@ -63,6 +63,11 @@ def test_dockerfiles_pass_hadolint(dockerfile):
     text = (ROOT / dockerfile).read_text()
     assert "USER 10001" in text and "HEALTHCHECK" in text and "VOLUME" in text
     assert "API_KEY" not in text and "torch==" not in text.replace("(torch|setuptools)==", "")
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    for pkg in packages:  # `pip install .` in the image needs every package of the project
+        assert f"COPY {pkg} ./{pkg}" in text, f"{dockerfile} does not copy the {pkg} package"
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")

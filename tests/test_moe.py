@@ -1,5 +1,6 @@
-"""Mixture-of-experts targets (Mixtral, Qwen3-MoE): logits and greedy output against transformers, TP against tp=1,
-and routing that every rank applies identically even when their router logits differ."""
+"""Mixture-of-experts targets (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4 MoE): logits and greedy output against
+transformers, TP against tp=1, and routing that every rank applies identically even when their router logits
+differ."""
 
 from __future__ import annotations
 
@@ -23,11 +24,20 @@ PROMPTS = [[5, 17, 400, 9000, 12, 77, 3], [22, 1534, 7, 900], [9, 9, 9, 9, 100, 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"])
 def moe_model(request, tmp_path_factory, smol_dir) -> Path:
-    # 8 heads / 4 KV heads / 4 experts of intermediate 128: tp=2 and tp=4 split all of them
-    return save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, heads=8, kv_heads=4, layers=3,
-                           seed=11)
+    # 8 heads / 4 KV heads / experts of intermediate 128: tp=2 and tp=4 split all of them
+    folder = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, heads=8, kv_heads=4, layers=3,
+                             seed=11)
+    if request.param == "glm4_moe":  # as published: a multi-token-prediction layer after the last decoder layer
+        from safetensors.torch import load_file, save_file
+
+        cfg = json.loads((folder / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        state = load_file(folder / "model.safetensors")
+        state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +60,7 @@ def test_logits_and_greedy_match_transformers(moe_model, moe_reference):
     runner = ModelRunner(EngineConfig(model_path=str(moe_model), dtype="float32", max_total_tokens=256),
                          resolve_model(str(moe_model)), single_rank_group(torch.device("cpu")))
     cfg = runner.model_cfg
-    assert cfg.num_experts == 4 and len(cfg.moe_layers) == cfg.num_layers
+    assert cfg.num_experts in (4, 8) and cfg.moe_layers
     ids = PROMPTS[0]
     logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))],
                                               list(range(len(ids)))))
@@ -90,9 +100,10 @@ def test_routing_on_every_rank_is_what_diverges(moe_model, tmp_path):
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path, moe_model):
     for f in moe_model.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
-    cfg = json.loads((moe_model / "config.json").read_text()) | {"architectures": ["Glm4MoeForCausalLM"]}
+    # GLM-4.7-Flash's architecture (multi-head latent attention) is not implemented
+    cfg = json.loads((moe_model / "config.json").read_text()) | {"architectures": ["Glm4MoeLiteForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="Glm4MoeForCausalLM.*supported: .*MixtralForCausalLM"):
+    with pytest.raises(ModelLoadError, match="Glm4MoeLiteForCausalLM.*supported: .*Glm4MoeForCausalLM.*Mixtral"):
         load_model_config(resolve_model(str(tmp_path)))
 
 
@@ -108,3 +119,22 @@ def test_a_published_layout_eagle3_head_drafts_losslessly_for_a_moe_target(moe_m
     (head / "config.json").write_text(json.dumps(raw | aux))
     spec = SpecConfig("EAGLE3", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=6, cost_table="off")
     assert _greedy(moe_model, spec=spec) == moe_reference
+
+
+def test_int4_weights_keep_the_router_exact(moe_model):
+    """--quantization int4 packs the experts but never the router: routing reads float32 weights as stored."""
+    from safetensors.torch import load_file
+
+    runner = ModelRunner(EngineConfig(model_path=str(moe_model), dtype="bfloat16", quantization="int4",
+                                      max_total_tokens=256), resolve_model(str(moe_model)),
+                         single_rank_group(torch.device("cpu")))
+    layer = runner.model_cfg.moe_layers[0]
+    gate = runner.model.layers[layer].mlp.gate.weight
+    stored = {k: v for k, v in load_file(moe_model / "model.safetensors").items()
+              if k in (f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.block_sparse_moe.gate.weight")}
+    assert len(stored) == 1 and gate.dtype == torch.float32 and torch.equal(gate, next(iter(stored.values())).float())
+    assert runner.model.layers[layer].mlp.experts[0].down_proj.qweight is not None
+    ids = PROMPTS[0]
+    logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))],
+                                              list(range(len(ids)))))
+    assert torch.isfinite(logits).all()

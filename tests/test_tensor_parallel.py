@@ -45,11 +45,19 @@ def test_tp_that_does_not_divide_heads_is_refused(smol_dir):
         Engine(EngineConfig(tp_size=2))
 
 
-def test_tiny_qwen3_tp2_matches_tp1(tmp_path, smol_dir):
-    """Qwen3's per-head q/k norms are replicated on every rank; the heads they scale are split."""
+def test_tiny_qwen3_matches_transformers_greedy_at_tp1_2_and_4(tmp_path, smol_dir):
+    """Qwen3's per-head q/k norms are replicated on every rank; the heads they scale are split (8 heads, 4 KV
+    heads: tp=4 gives each rank one KV head). 32-token greedy output equals transformers' at every tp."""
+    import torch
     from helpers import save_tiny_model
+    from transformers import AutoModelForCausalLM
 
-    folder = str(save_tiny_model(tmp_path / "qwen3", "qwen3", heads=4, kv_heads=2, seed=5))
-    ref = _greedy(EngineConfig(model_path=folder, dtype="float32", max_total_tokens=1024), PROMPT_IDS)
-    assert _greedy(EngineConfig(model_path=folder, dtype="float32", tp_size=2, max_total_tokens=1024),
-                   PROMPT_IDS) == ref
+    folder = str(save_tiny_model(tmp_path / "qwen3", "qwen3", heads=8, kv_heads=4, seed=5))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, len(ids):]
+               .tolist() for ids in PROMPT_IDS]
+    for tp in (1, 2, 4):
+        with Engine(EngineConfig(model_path=folder, dtype="float32", tp_size=tp, max_total_tokens=1024)) as eng:
+            assert [r.token_ids for r in eng.generate(PROMPT_IDS, params)] == ref, f"tp={tp}"

@@ -47,7 +47,8 @@ def _layout(rng: random.Random, num_blocks: int):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3), (8, 1)])
 @pytest.mark.parametrize("seed", [0])
-def test_triton_kernel_matches_reference_attention(heads, kv_heads, seed):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_triton_kernel_matches_reference_attention(heads, kv_heads, seed, device):
     rng, d = random.Random(seed), 16
     torch.manual_seed(seed)
     seqs = _layout(rng, 200)
@@ -57,7 +58,9 @@ def test_triton_kernel_matches_reference_attention(heads, kv_heads, seed):
     q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
     meta = build_attention_metadata(seqs, BS, torch.device("cpu"))
     ref = attend(q, k, v, k_cache, v_cache, meta, d**-0.5)  # writes k, v into the caches too
-    out = triton_attend(q, k_cache, v_cache, paged_rows(seqs, torch.device("cpu")), BS, d**-0.5, block_n=8)
+    dev = torch.device(device)  # cuda: the compiled kernel on the GPU (the device check), cpu: the interpreter
+    out = triton_attend(q.to(dev), k_cache.to(dev), v_cache.to(dev), paged_rows(seqs, dev), BS, d**-0.5,
+                        block_n=8).cpu()
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
@@ -80,3 +83,9 @@ def test_model_with_the_triton_backend_decodes_like_the_reference(tiny_llama):
     spec = SpecConfig("EAGLE", str(head), num_steps=2, eagle_topk=2, num_draft_tokens=4, cost_table="off")
     with Engine(base.replace(attention_backend="triton", spec=spec)) as eng:  # prefill, draft and verify steps
         assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    # the graph path's static buffers, buckets and padding rows (everything but the capture itself), plain and EAGLE
+    for s in (SpecConfig(), spec):
+        with Engine(base.replace(attention_backend="triton", debug_graph_buffers_on_cpu=True,
+                                 cuda_graph_max_rows=8, spec=s)) as eng:
+            assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+            assert eng.stats.snapshot.graph_replays > 0

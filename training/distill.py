@@ -105,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                        max_running_requests=args.batch)
     tokens = 0
     with Engine(cfg) as engine:
-        for start in range(0, len(todo), args.batch):
+        # hand the scheduler several batches at once so finished rows are refilled while the longest answers run
+        step = args.batch * 4
+        for start in range(0, len(todo), step):
             if args.hours and time.monotonic() - t0 > args.hours * 3600:
                 break
-            chunk = todo[start : start + args.batch]
+            chunk = todo[start : start + step]
             ids = [chat_ids(engine.tokenizer, [{"role": "user", "content": prompts[i]}], True) for i in chunk]
             usable = [bool(prompts[i]) and len(x) <= args.max_prompt_tokens for i, x in zip(chunk, ids)]
             keep = [(i, x) for i, x, ok in zip(chunk, ids, usable) if ok]
@@ -120,10 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             n = len(done) + start + len(chunk)
             rate = tokens / (time.monotonic() - t0)
             print(f"{n}/{len(prompts)} conversations, {rate:.0f} tok/s", flush=True)
-    answers = read_answers(out)
-    mpath.write_text(json.dumps(meta | {"answers": sum(1 for a in answers.values() if a),
-                                        "tokens": sum(len(a) for a in answers.values())}, indent=2) + "\n")
+            write_manifest(out, meta)  # after every chunk: a job killed between chunks leaves a consistent folder
+    write_manifest(out, meta)
     return 0
+
+
+def write_manifest(out: Path, meta: dict) -> None:
+    answers = read_answers(out)
+    (out / "MANIFEST.json").write_text(json.dumps(meta | {"answers": sum(1 for a in answers.values() if a),
+                                                          "tokens": sum(len(a) for a in answers.values())},
+                                                   indent=2) + "\n")
 
 
 if __name__ == "__main__":

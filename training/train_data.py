@@ -103,8 +103,10 @@ def collect(args, out: Path) -> dict:
         convs = sharegpt_conversations(args.conversations, args.seed)
         examples += [conversation_example(tok, c, args.max_len) for c in tqdm(convs, desc="rendering", unit="conv")]
     examples = [(ids, spans) for ids, spans in examples if spans and len(ids) > 8]
-    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_len + 16)
-    runner = ModelRunner(config, source, single_rank_group(torch.device("cpu")))
+    # eager: one pass over sequences of every length gains nothing from capturing graphs
+    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_len + 16,
+                          enforce_eager=True)
+    runner = ModelRunner(config, source, single_rank_group(torch.device(getattr(args, "device", "cpu"))))
     blocks = list(range(runner.num_blocks))
     if args.kind == "eagle3":  # EAGLE-3 reads the low, middle and high layers' residual streams instead
         runner.model.aux_layers = set(default_aux_layers(runner.model_cfg.num_layers))
@@ -119,8 +121,8 @@ def collect(args, out: Path) -> dict:
             mask[max(a - 1, 0) : b - 1] = True  # position t predicts token t + 1
         data["seqs"].append(ids)
         feats = torch.cat(aux, dim=-1) if args.kind == "eagle3" else hidden
-        data["feats"].append(feats.to(torch.bfloat16).clone())
-        data["labels"].append(logits.argmax(-1).to(torch.int32))
+        data["feats"].append(feats.to(torch.bfloat16).cpu().clone())
+        data["labels"].append(logits.argmax(-1).to(torch.int32).cpu())
         data["masks"].append(mask)
     torch.save(data, cache)
     return data

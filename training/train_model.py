@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import RotaryEmbedding
+
 Param = nn.Parameter
 
 
@@ -30,8 +32,12 @@ class _TTTLayer(nn.Module):
         cfg = target.cfg
         self.h, self.heads, self.kv_heads, self.hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.embed = target.embed_tokens.weight.detach().float()
-        self.cos, self.sin = target.rope.cos, target.rope.sin
+        # buffers, not parameters: frozen, moved by .to(device), and left out of checkpoints
+        self.register_buffer("embed", target.embed_tokens.weight.detach().float(), persistent=False)
+        # the head's own rotary over whole heads (a GLM-4 MoE target turns only half of each of its heads)
+        rope = RotaryEmbedding(cfg.head_dim, target.rope.cos.shape[0], cfg.rope_theta, cfg.rope_scaling_dict)
+        self.register_buffer("cos", rope.cos, persistent=False)
+        self.register_buffer("sin", rope.sin, persistent=False)
 
     def _rope(self, x, pos):
         cos, sin = self.cos[pos].unsqueeze(-2), self.sin[pos].unsqueeze(-2)  # [B,T,1,D]
@@ -45,7 +51,7 @@ class _TTTLayer(nn.Module):
         B, T, _ = x.shape
         q_size, kv_size = self.heads * self.hd, self.kv_heads * self.hd
         q, k, v = F.linear(x, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
-        base = torch.arange(T)
+        base = torch.arange(T, device=x.device)
         pos = (base + d).clamp(max=self.cos.shape[0] - 1).expand(B, T)
         q = self._rope(q.view(B, T, self.heads, self.hd), pos)
         keys.append(self._rope(k.view(B, T, self.kv_heads, self.hd), pos))
@@ -53,7 +59,7 @@ class _TTTLayer(nn.Module):
         K = torch.cat(keys, dim=1).transpose(1, 2)
         V = torch.cat(values, dim=1).transpose(1, 2)
         causal = base.view(T, 1) >= base.view(1, T)
-        mask = torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * d, dim=1)
+        mask = torch.cat([causal] + [torch.eye(T, dtype=torch.bool, device=x.device)] * d, dim=1)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask, enable_gqa=True)
         return F.linear(a.transpose(1, 2).reshape(B, T, q_size), self.o)
 
@@ -113,7 +119,7 @@ class TrainableEagle(_TTTLayer):
         self.gate_up = _f32(src.mlp.gate_up_proj.weight)
         self.down = Param(torch.zeros_like(src.mlp.down_proj.weight, dtype=torch.float32))
         self.post_norm = _f32(src.post_attention_layernorm.weight)
-        self.lm_sub = target.lm_head.weight.detach().float()[draft_vocab]
+        self.register_buffer("lm_sub", target.lm_head.weight.detach().float()[draft_vocab], persistent=False)
 
     def _first_input(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
         """feats: the target's final hidden states, with EAGLE's uniform training noise."""
@@ -157,7 +163,7 @@ class TrainableEagle3(_TTTLayer):
         self.post_norm = _f32(src.post_attention_layernorm.weight)
         self.norm = _f32(target.norm.weight)
         self.lm_head = _f32(target.lm_head.weight[draft_vocab])
-        self.draft_vocab = draft_vocab
+        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
 
     def _first_input(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
         """feats: the target's low/mid/high residual streams [B,T,3h], fused to h."""
@@ -173,7 +179,8 @@ class TrainableEagle3(_TTTLayer):
 
     def export(self) -> dict[str, torch.Tensor]:
         p = "midlayer."
-        d2t = self.draft_vocab - torch.arange(len(self.draft_vocab))  # draft id + d2t[id] = target id
+        vocab = self.draft_vocab.cpu()
+        d2t = vocab - torch.arange(len(vocab))  # draft id + d2t[id] = target id
         return {"d2t": d2t.to(torch.int64)} | {key: getattr(self, name).detach() for name, key in self._extra(p)} \
             | self._export_layer(p)
 

@@ -52,7 +52,9 @@ class EngineConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
     max_model_len: int | None = None
-    attention_backend: str = "torch"  # torch (reference, CPU default) | triton (paged kernels, GPU)
+    attention_backend: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch (the reference) | triton (paged)
+    enforce_eager: bool = False  # no graph capture on GPUs (worker/cuda_graph.py)
+    cuda_graph_max_rows: int = 256  # the largest captured step, in rows (decode rows plus verify-tree rows)
     disable_radix_cache: bool = False  # rank 0's prefix cache (worker/prefix_cache.py) is on unless this is set
     # distributed
     dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; None: a free local port
@@ -69,6 +71,7 @@ class EngineConfig:
     debug_skip_decision_broadcast: bool = False
     debug_collective_trace: str | None = None  # tests: each rank writes its collectives to DIR/rank{r}.json
     debug_corrupt_decision: int = 0  # tests: at this step the last rank alters one applied draft decision
+    debug_graph_buffers_on_cpu: bool = False  # tests: run the graph path's static buffers on CPU, without capture
     startup_timeout: float = 600.0
 
     def replace(self, **changes) -> EngineConfig:
@@ -85,8 +88,10 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
-        if self.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"unknown attention backend {self.attention_backend!r}; use torch or triton")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; use auto, torch or triton")
+        if self.cuda_graph_max_rows < 1:
+            raise ValueError("cuda_graph_max_rows must be >= 1")
         if self.block_size < 1 or self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("block_size, chunked_prefill_size and max_running_requests must be >= 1")
         if self.debug_skip_decision_broadcast and not (self.debug_rank_logit_noise or self.debug_rank_router_noise):

@@ -306,8 +306,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [N, heads, head_dim] in one pass: q and k heads side by side cost one set of kernels, not two."""
-    return x * cos + _rotate_half(x) * sin
+    """Rotate [N, heads, head_dim] in one pass: q and k heads side by side cost one set of kernels, not two. A table
+    narrower than the head (partial rotary) turns the leading dims and passes the rest through."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head, rest = x[..., :rot], x[..., rot:]
+    return torch.cat([head * cos + _rotate_half(head) * sin, rest], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

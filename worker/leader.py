@@ -209,7 +209,9 @@ class Leader:
         return report
 
     def snapshot(self) -> EngineSnapshot:
-        return self.scheduler.snapshot(steps=self.step_no, time=time.time())
+        graphs = self.runner.graphs
+        return self.scheduler.snapshot(steps=self.step_no, time=time.time(),
+                                       graph_replays=graphs.replays if graphs is not None else 0)
 
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.by_request.values()):

@@ -40,6 +40,9 @@ def check_tp_divisibility(cfg: ModelConfig, tp_size: int) -> None:
     if cfg.num_experts and cfg.moe_intermediate_size % tp_size:
         raise ModelLoadError(f"tp_size {tp_size} does not divide the experts' intermediate size "
                              f"{cfg.moe_intermediate_size}")
+    if cfg.shared_expert_intermediate_size % tp_size:
+        raise ModelLoadError(f"tp_size {tp_size} does not divide the shared expert's intermediate size "
+                             f"{cfg.shared_expert_intermediate_size}")
 
 
 def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype,
@@ -54,6 +57,8 @@ def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: t
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     ignore = (r".*rotary_emb\.inv_freq",) + ((r"lm_head\.weight",) if cfg.tie_word_embeddings else ())
+    # multi-token-prediction layers (GLM-4 MoE) follow the decoder layers in the checkpoint; serving does not use them
+    ignore += tuple(rf"model\.layers\.{cfg.num_layers + i}\..*" for i in range(cfg.mtp_layers))
     try:
         load_weights(model, model.param_map(), iter_checkpoint(source, cfg, show_progress, method), ignore)
     except ValueError as e:  # a weight whose width does not split into quantization groups

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) built from tensor-parallel layers."""
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, and the MoE variants in moe.py) built from tensor-parallel layers."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.aux_layers = set(aux_layers)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, dtype, moe=SparseMoE(cfg, tp, dtype, router_noise, local_routing)
@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
             c, src, dst = self.cfg, f"model.layers.{i}.", f"layers.{i}."
             m |= layer_param_map(src, dst, c.attention_bias, qk_norm=c.qk_norm, mlp=i not in c.moe_layers)
             if i in c.moe_layers:
-                m |= moe_param_map(src, dst, c.num_experts, mixtral=c.architecture == "mixtral")
+                m |= moe_param_map(src, dst, c)
         return m
 
 

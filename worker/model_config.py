@@ -12,14 +12,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without q/k/v bias, with per-head RMSNorm on q and k
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 attention (q/k/v bias), sparse MoE with a gated shared expert
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, sparse MoE MLPs (worker/moe.py)
     "MixtralForCausalLM": "mixtral",  # Mistral attention, sparse MoE MLPs
+    # partial rotary, optional q/k norm; shared experts beside grouped sigmoid top-k routing with a score bias
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+    architecture: str  # llama | mistral | qwen2 | qwen3 | qwen2_moe | qwen3_moe | mixtral | glm4_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,12 +38,26 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, as sorted items
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rotary embedding
+    rotary_dim: int = 0  # the leading dims of each head that rotary embedding turns (0: all; GLM-4 MoE: half)
     # mixture of experts (0 experts: dense)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is sparse
+    # "softmax": top-k of softmax(logits) (Mixtral, Qwen3-MoE); "grouped_sigmoid": DeepSeek-V3/GLM-4 routing, top-k
+    # of sigmoid(logits) + a per-expert score bias within the best `topk_group` of `expert_groups` groups
+    routing: str = "softmax"
+    expert_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # a dense expert every token goes through (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output is scaled by sigmoid(a router column)
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the last decoder layer (not loaded)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
@@ -85,10 +102,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
         rope_theta=float(theta),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+        attention_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+        or bool(hf.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling),
         eos_token_ids=eos_ids,
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm", False)),
+        rotary_dim=_rotary_dim(hf, hf.get("head_dim") or hf["hidden_size"] // heads, rope_params, arch),
         **_moe_fields(arch, hf),
     )
 
@@ -98,15 +117,34 @@ def _moe_fields(arch: str, hf: dict) -> dict:
         return {"num_experts": hf["num_local_experts"], "experts_per_token": hf["num_experts_per_tok"],
                 "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
                 "moe_layers": tuple(range(hf["num_hidden_layers"]))}
-    if arch == "qwen3_moe":
+    if arch in ("qwen2_moe", "qwen3_moe"):
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
         experts = hf.get("num_experts", hf.get("num_local_experts", 0))  # Qwen's name, or transformers 5's
         layers = tuple(i for i in range(hf["num_hidden_layers"])
                        if i not in dense and experts > 0 and (i + 1) % step == 0)
         return {"num_experts": experts, "experts_per_token": hf["num_experts_per_tok"],
                 "moe_intermediate_size": hf["moe_intermediate_size"],
-                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": layers}
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": layers,
+                **({"shared_expert_intermediate_size": hf["shared_expert_intermediate_size"],
+                    "shared_expert_gate": True} if arch == "qwen2_moe" else {})}
+    if arch == "glm4_moe":
+        dense = hf.get("first_k_dense_replace", 1)  # transformers' defaults where a config leaves them out
+        return {"num_experts": hf["n_routed_experts"], "experts_per_token": hf["num_experts_per_tok"],
+                "moe_intermediate_size": hf["moe_intermediate_size"],
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+                "moe_layers": tuple(range(dense, hf["num_hidden_layers"])), "routing": "grouped_sigmoid",
+                "expert_groups": hf.get("n_group", 1), "topk_group": hf.get("topk_group", 1),
+                "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                "shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf.get("n_shared_experts", 1),
+                "mtp_layers": hf.get("num_nextn_predict_layers", 0)}
     return {}
+
+
+def _rotary_dim(hf: dict, head_dim: int, rope_params: dict, arch: str) -> int:
+    """GLM-4 MoE rotates half of each head (transformers' default partial_rotary_factor for it); others all."""
+    factor = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor",
+                                                              0.5 if arch == "glm4_moe" else 1.0))
+    return int(head_dim * factor)
 
 
 def config_from_gguf(reader) -> ModelConfig:

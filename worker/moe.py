@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE) with rank-0 routing.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4 MoE) with rank-0 routing.
 
 Every rank holds a slice of every expert along the intermediate dimension, so each rank computes partial sums
 for the same experts and one all-reduce adds them. That is only right when every rank routes each token to the
@@ -19,61 +19,119 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dist import TPGroup
-from .layers import GatedMLP, ReplicatedLinear
+from .layers import GatedMLP, _check_shape, _param
 from .model_config import ModelConfig
+
+
+class Router(nn.Module):
+    """The gate: float32 weights (routing is computed in float32 whatever the model's dtype), the per-expert
+    score-correction bias of grouped sigmoid routing, and Qwen2-MoE's shared-expert gate. Not a linear the int4 path
+    packs: routing stays exact."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        def copy(p: torch.Tensor, w: torch.Tensor, shard_id=None) -> None:  # checkpoint dtype -> float32
+            _check_shape("router weight", w.shape, tuple(p.shape))
+            p.data.copy_(w)
+
+        self.weight = _param((cfg.num_experts, cfg.hidden_size), torch.float32, copy)
+        if cfg.routing == "grouped_sigmoid":
+            self.e_score_correction_bias = _param((cfg.num_experts,), torch.float32, copy)
+        if cfg.shared_expert_gate:
+            self.shared_expert_weight = _param((1, cfg.hidden_size), torch.float32, copy)
+
+
+def top_k_routing(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(weights [n, k], expert ids [n, k]) from float32 router logits [n, experts]."""
+    k = cfg.experts_per_token
+    if cfg.routing == "softmax":
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    # grouped sigmoid (DeepSeek-V3, GLM-4 MoE): the bias steers the choice only; weights are the plain scores
+    scores = logits.sigmoid()
+    choice = scores + bias
+    n, g = logits.shape[0], cfg.expert_groups
+    group_scores = choice.view(n, g, -1).topk(min(2, cfg.num_experts // g), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, cfg.topk_group, dim=-1)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // g, dim=1), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, router_noise: float = 0.0,
                  local_routing: bool = False):
         super().__init__()
-        self.tp, self.top_k, self.norm_topk = tp, cfg.experts_per_token, cfg.norm_topk_prob
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype)
+        self.tp, self.cfg = tp, cfg
+        self.gate = Router(cfg)
         self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, tp, dtype)
                                      for _ in range(cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, tp, dtype)
         # fault injection (tests): router logits that differ by rank, and the bug of routing on every rank
         self.router_noise, self.local_routing = router_noise * tp.rank, local_routing
         self.noise = torch.Generator(device=tp.device)
         self.noise.manual_seed(2000 + tp.rank)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [n, k], weights [n, k] float32), identical on every rank."""
-        n, k = x.shape[0], self.top_k
-        packed = torch.empty(n, 2 * k, dtype=torch.float64)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(expert ids [n, k], weights [n, k] float32, shared-expert scale [n, 1] or None), identical on every
+        rank."""
+        n, k = x.shape[0], self.cfg.experts_per_token
+        gated = self.cfg.shared_expert_gate
+        packed = torch.empty(n, 2 * k + gated, dtype=torch.float64)
         if self.tp.is_leader or self.local_routing:
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), self.gate.weight)
             if self.router_noise:
                 logits = logits + self.router_noise * torch.randn(logits.shape, generator=self.noise,
                                                                   device=logits.device)
-            weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-            if self.norm_topk:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            packed[:, :k], packed[:, k:] = ids.cpu(), weights.cpu()  # float64 holds both exactly
+            weights, ids = top_k_routing(logits, self.cfg, getattr(self.gate, "e_score_correction_bias", None))
+            packed[:, :k], packed[:, k : 2 * k] = ids.cpu(), weights.cpu()  # float64 holds both exactly
+            if gated:
+                packed[:, 2 * k :] = torch.sigmoid(F.linear(x.float(), self.gate.shared_expert_weight)).cpu()
         if not self.local_routing:
             self.tp.broadcast_tensor(packed)
-        ids, weights = packed[:, :k].long(), packed[:, k:].float()
+        ids, weights = packed[:, :k].long(), packed[:, k : 2 * k].float()
         if self.tp.trace is not None:  # tests: the routing this rank applied, to compare across ranks
             self.tp.trace.append(("moe_routing", [n, k], hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16]))
-        return ids.to(x.device), weights.to(x.device)
+        shared = packed[:, 2 * k :].float().to(x.device) if gated else None
+        return ids.to(x.device), weights.to(x.device), shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+        ids, weights, shared_scale = self.route(x)
         out = torch.zeros_like(x, dtype=torch.float32)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.nonzero(ids == e, as_tuple=True)
             y = self.experts[e].partial(x[rows]).float() * weights[rows, slot, None]
             out.index_add_(0, rows, y)
+        if hasattr(self, "shared_experts"):  # its partial sum joins the routed ones: still one all-reduce
+            y = self.shared_experts.partial(x).float()
+            out += y * shared_scale if shared_scale is not None else y
         return self.tp.all_reduce(out).to(x.dtype)
 
 
-def moe_param_map(src: str, dst: str, num_experts: int, mixtral: bool) -> dict:
-    """Checkpoint names of one MoE block -> (parameter, shard id): Mixtral's block_sparse_moe w1/w3/w2 or
-    Qwen-MoE's mlp gate_proj/up_proj/down_proj."""
+def moe_param_map(src: str, dst: str, cfg: ModelConfig) -> dict:
+    """Checkpoint names of one MoE block -> (parameter, shard id): Mixtral's block_sparse_moe w1/w3/w2, or the
+    mlp gate_proj/up_proj/down_proj of Qwen-MoE and GLM-4 MoE (with their shared experts, Qwen2-MoE's shared-expert
+    gate and GLM's score bias)."""
+    mixtral = cfg.architecture == "mixtral"
     block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else \
         ("mlp", ("gate_proj", "up_proj", "down_proj"))
     m = {f"{src}{block}.gate.weight": (f"{dst}mlp.gate.weight", None)}
-    for j in range(num_experts):
-        e, d = f"{src}{block}.experts.{j}.", f"{dst}mlp.experts.{j}."
+    if cfg.routing == "grouped_sigmoid":
+        m[f"{src}{block}.gate.e_score_correction_bias"] = (f"{dst}mlp.gate.e_score_correction_bias", None)
+    experts = [(f"{src}{block}.experts.{j}.", f"{dst}mlp.experts.{j}.") for j in range(cfg.num_experts)]
+    if cfg.shared_expert_gate:
+        m[f"{src}{block}.shared_expert_gate.weight"] = (f"{dst}mlp.gate.shared_expert_weight", None)
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE names it in the singular
+        shared = "shared_expert." if cfg.architecture == "qwen2_moe" else "shared_experts."
+        experts.append((f"{src}{block}.{shared}", f"{dst}mlp.shared_experts."))
+    for e, d in experts:
         m[f"{e}{gate}.weight"] = (f"{d}gate_up_proj.weight", 0)
         m[f"{e}{up}.weight"] = (f"{d}gate_up_proj.weight", 1)
         m[f"{e}{down}.weight"] = (f"{d}down_proj.weight", None)

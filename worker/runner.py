@@ -11,6 +11,7 @@ import torch
 
 from .attention import SeqSlice, build_attention_metadata
 from .config import EngineConfig
+from .cuda_graph import GraphRunner, StaticBuffers, capture_sizes, step_rows
 from .dist import TPGroup
 from .loader import load_target, resolve_dtype
 from .model_files import ModelSource
@@ -34,16 +35,25 @@ def available_memory(device: torch.device) -> int:
 
 
 CPU_DEFAULT_MAX_TOKENS = 32768
+GRAPH_MAX_CHUNK = 64  # a sequence's rows in a step up to which it may replay a graph (prefill chunks run eagerly)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto: the Triton paged kernels on GPUs, the reference path on CPU."""
+    return name if name != "auto" else ("triton" if device.type == "cuda" else "torch")
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup, show_progress: bool = False):
         self.config, self.tp, self.source = config, tp, source
         self.dtype = resolve_dtype(config.dtype, tp.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device)
         self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
         self.block_size = config.block_size
         self.num_blocks = self._agree_num_blocks()
-        slots = self.num_blocks * self.block_size
+        graphs = self._graph_mode()
+        # graph padding rows write one scratch block past the pool, which the scheduler never hands out
+        slots = (self.num_blocks + (graphs is not None)) * self.block_size
         kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
         shape = (slots, kv_local, self.model_cfg.head_dim)
         self.kv_dtype = kv_cache_dtype(self.dtype, tp.device)
@@ -57,7 +67,25 @@ class ModelRunner:
         self.on_hidden = None  # speculative decoding stores the draft's features from every target forward
         self.noise_gen = torch.Generator(device=tp.device)
         self.noise_gen.manual_seed(1000 + tp.rank)
+        self.graphs: GraphRunner | None = None
+        if graphs is not None:
+            max_pos = config.max_model_len or self.model_cfg.max_position_embeddings
+            buffers = StaticBuffers(config.cuda_graph_max_rows, config.max_running_requests,
+                                    -(-max_pos // self.block_size), self.num_blocks, self.block_size, tp.device)
+            self.graphs = GraphRunner(self.model, self.kv, buffers, capture_sizes(config.cuda_graph_max_rows),
+                                      capture=graphs == "capture")
 
+    def _graph_mode(self) -> str | None:
+        """"capture" on CUDA/HIP with the Triton backend unless --enforce-eager; "static" for the CPU tests (the
+        graph path's buffers and padding without capture); None: eager. MoE routing reads expert ids on the
+        host and collective traces record each call, so neither can be captured."""
+        c = self.config
+        if c.enforce_eager or self.attention_backend != "triton" or self.model_cfg.num_experts \
+                or c.debug_collective_trace:
+            return None
+        if self.tp.device.type == "cuda":
+            return "capture"
+        return "static" if c.debug_graph_buffers_on_cpu else None
     def _agree_num_blocks(self) -> int:
         """Size the pool from the token budget, or from free memory; all ranks take the minimum."""
         if self.config.max_total_tokens:
@@ -80,15 +108,28 @@ class ModelRunner:
         """Run the plan's tokens; returns (logits of sample_rows in float32, hidden states, aux hidden states)."""
         dev = self.tp.device
         slices = [SeqSlice(c, q, bt) for c, q, bt in plan.seqs]
-        meta = build_attention_metadata(slices, self.block_size, dev, self.config.attention_backend)
-        positions = torch.cat([torch.arange(s.ctx_len, s.ctx_len + s.q_len) for s in slices])
-        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
-        hidden, aux = self.model(ids, positions.to(dev), self.kv, meta)
+        positions = [p for s in slices for p in range(s.ctx_len, s.ctx_len + s.q_len)]
+        hidden, aux, slot_mapping = self.run_model(plan.input_ids, positions, slices)
         if self.on_hidden is not None:
-            self.on_hidden(hidden, aux, meta.slot_mapping)
+            self.on_hidden(hidden, aux, slot_mapping)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows]).float()
         return self.perturb(logits), hidden, aux
+
+    def run_model(self, ids: list[int], positions: list[int], slices: list[SeqSlice]
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The target forward for these rows: a graph replay when the step fits a captured bucket (short steps:
+        decode, verify), else eager. Returns (hidden, aux hidden states, the cache slots written)."""
+        if self.graphs is not None and max(s.q_len for s in slices) <= GRAPH_MAX_CHUNK:
+            rows = step_rows(ids, positions, slices, self.block_size)
+            bucket = self.graphs.bucket(rows)
+            if bucket is not None:
+                return self.graphs.run(rows, bucket)
+        dev = self.tp.device
+        meta = build_attention_metadata(slices, self.block_size, dev, self.attention_backend)
+        hidden, aux = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                 torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta)
+        return hidden, aux, meta.slot_mapping
 
     def perturb(self, logits: torch.Tensor) -> torch.Tensor:
         """Fault injection: rank-dependent noise imitating all-reduce results that differ bit-wise by rank."""

@@ -58,6 +58,7 @@ class EngineSnapshot:
     spec: SpecCounts | None = None  # None without speculation
     spec_verify_cost_ms: dict[int, float] | None = None  # rank 0's calibrated verify cost by rows
     prefix_cache: PrefixCacheCounts | None = None  # None with --disable-radix-cache
+    graph_replays: int = 0  # target forwards run from captured graphs (worker/cuda_graph.py)
 
     def as_dict(self) -> dict:
         """The flat JSON of `/engine/stats` (speculative counters prefixed `spec_`)."""

@@ -17,6 +17,8 @@ import torch
 
 from .attention import SeqSlice
 
+MAX_TREE_NODES = 63  # a tree row's visible nodes travel as one int64 bitmask
+
 
 @dataclass
 class PagedRows:
@@ -29,7 +31,8 @@ class PagedRows:
     block_tables: torch.Tensor  # [B, max_blocks] int32
 
 
-def paged_rows(seqs: list[SeqSlice], device: torch.device) -> PagedRows:
+def row_records(seqs: list[SeqSlice]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Each query row's (sequence, causal limit, tree size, ancestor bitmask), in row order."""
     seq, limit, tree_len, tree_mask = [], [], [], []
     for b, s in enumerate(seqs):
         for i in range(s.q_len):
@@ -40,10 +43,15 @@ def paged_rows(seqs: list[SeqSlice], device: torch.device) -> PagedRows:
                 tree_mask.append(0)
             else:
                 row = s.tree.mask[i].tolist()
-                assert len(row) <= 63, "tree masks travel as one int64 bitmask per row"
+                assert len(row) <= MAX_TREE_NODES, "tree masks travel as one int64 bitmask per row"
                 limit.append(s.ctx_len)
                 tree_len.append(len(row))
                 tree_mask.append(sum(1 << j for j, v in enumerate(row) if v))
+    return seq, limit, tree_len, tree_mask
+
+
+def paged_rows(seqs: list[SeqSlice], device: torch.device) -> PagedRows:
+    seq, limit, tree_len, tree_mask = row_records(seqs)
     width = max(len(s.block_table) for s in seqs)
     tables = torch.zeros(len(seqs), width, dtype=torch.int32)
     for b, s in enumerate(seqs):

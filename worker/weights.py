@@ -126,9 +126,14 @@ def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
     if bits is None:
         return tensors
     # quantize from the checkpoint's own precision, before anything rounds it to the model dtype; the embedding
-    # table stays dense for lookups (a tied LM head is quantized from it after loading)
-    return ((name, quantize_rtn(w, bits) if w.dim() == 2 and "embed_tokens" not in name else w)
-            for name, w in tensors)
+    # table stays dense for lookups (a tied LM head is quantized from it after loading), and MoE routers stay
+    # float32 (worker/moe.py: routing is exact)
+    return ((name, quantize_rtn(w, bits) if w.dim() == 2 and not _stays_dense(name) else w) for name, w in tensors)
+
+
+def _stays_dense(name: str) -> bool:
+    return "embed_tokens" in name or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                                    "shared_expert_gate.weight"))
 
 
 def load_weights(model: nn.Module, name_map: dict[str, tuple[str, object]],

@@ -1,0 +1,169 @@
+"""Graph capture of the target forward for short steps (decode rows and EAGLE verify trees) on CUDA and HIP.
+
+A 135M model's step is ~400 kernel launches, so on a GPU it is bound by launches, not by its weights. Capturing
+the forward once per row-count bucket and replaying it costs one launch. Everything a replay reads lives in
+static buffers that each step fills in place: per row the token, its position, the cache slot it writes and the
+attention kernel's row record (sequence, causal limit, tree size, ancestor bitmask: worker/triton_attention.py);
+per sequence its block table.
+
+Because the Triton kernel reads each row's limits from memory, one graph serves decode rows and tree rows alike,
+with no bucket per tree shape. A step of n rows replays the smallest bucket >= n; the rows past n are padding
+that writes and reads one scratch KV slot no sequence owns, so nothing a real row sees changes. Whether a step
+replays depends on its plan alone (rows, sequences, table widths, tree sizes), which every rank holds, so all
+ranks replay or all run eagerly and their collectives pair up. Rank 0's decisions are untouched: the graph only
+computes hidden states for the broadcast plan; the LM head, sampling and verification run after it.
+
+On CPU (tests) the same buffers, padding and bucket choice run without capture (`capture=False`), so the whole
+path except the CUDA graph object itself is checked in CI with Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata, SeqSlice, slots_of
+from .triton_attention import MAX_TREE_NODES, PagedRows, row_records
+
+
+def capture_sizes(max_rows: int) -> tuple[int, ...]:
+    """Row buckets: 1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 32 beyond; max_rows last."""
+    sizes = {1, 2, 4, 8} | set(range(16, 65, 8)) | set(range(80, 257, 16)) | set(range(288, max_rows + 1, 32))
+    return tuple(sorted({s for s in sizes if s < max_rows} | {max_rows}))
+
+
+def pick_bucket(rows: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest captured size that holds `rows`, or None when none does (the step runs eagerly)."""
+    return next((s for s in sizes if s >= rows), None)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One step's per-row inputs, on the host, in the order the plan lists them."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]  # cache slot each row's K/V is written to
+    seq: list[int]
+    limit: list[int]
+    tree_len: list[int]
+    tree_mask: list[int]
+    tables: list[list[int]]
+
+
+def step_rows(ids: list[int], positions: list[int], slices: list[SeqSlice], block_size: int) -> StepRows:
+    slots: list[int] = []
+    for s in slices:
+        slots += s.tree.write_slots if s.tree else slots_of(s.block_table, range(s.ctx_len, s.ctx_len + s.q_len),
+                                                            block_size)
+    return StepRows(list(ids), list(positions), slots, *row_records(slices), [s.block_table for s in slices])
+
+
+class StaticBuffers:
+    """Device tensors sized for the largest bucket. Row `max_seqs` of the block table belongs to padding rows and
+    names only the scratch block."""
+
+    def __init__(self, max_rows: int, max_seqs: int, max_blocks: int, scratch_block: int, block_size: int,
+                 device: torch.device):
+        self.max_rows, self.max_seqs, self.max_blocks = max_rows, max_seqs, max_blocks
+        self.scratch_slot, self.pad_seq = scratch_block * block_size, max_seqs
+        self.block_size = block_size
+        i32, i64 = {"dtype": torch.int32, "device": device}, {"dtype": torch.int64, "device": device}
+        self.ids = torch.zeros(max_rows, **i64)
+        self.positions = torch.zeros(max_rows, **i64)
+        self.slots = torch.full((max_rows,), self.scratch_slot, **i64)
+        self.seq = torch.full((max_rows,), self.pad_seq, **i32)
+        self.limit = torch.ones(max_rows, **i32)
+        self.tree_len = torch.zeros(max_rows, **i32)
+        self.tree_mask = torch.zeros(max_rows, **i64)
+        self.tables = torch.full((max_seqs + 1, max_blocks), scratch_block, **i32)
+
+    def fits(self, rows: StepRows) -> bool:
+        return (len(rows.ids) <= self.max_rows and len(rows.tables) <= self.max_seqs
+                and all(len(t) <= self.max_blocks for t in rows.tables)
+                and all(n <= MAX_TREE_NODES for n in rows.tree_len))
+
+    def fill(self, rows: StepRows, bucket: int) -> None:
+        """Write one step into rows [0, bucket): its rows first, then padding (token 0 at position 0, writing and
+        attending to the scratch slot alone). Block-table rows of sequences past this step keep stale entries
+        that no row of this step reads."""
+        pad = bucket - len(rows.ids)
+        assert 0 <= pad and self.fits(rows), "the caller picks a bucket that holds the step"
+        fields = ((self.ids, rows.ids, 0), (self.positions, rows.positions, 0),
+                  (self.slots, rows.slots, self.scratch_slot), (self.seq, rows.seq, self.pad_seq),
+                  (self.limit, rows.limit, 1), (self.tree_len, rows.tree_len, 0), (self.tree_mask, rows.tree_mask, 0))
+        for buf, values, padding in fields:
+            host = torch.tensor(values + [padding] * pad, dtype=buf.dtype)
+            buf[:bucket].copy_(host, non_blocking=True)
+        width = max(len(t) for t in rows.tables)
+        host = torch.zeros(len(rows.tables), width, dtype=torch.int32)
+        for b, t in enumerate(rows.tables):
+            host[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.tables[: len(rows.tables), :width].copy_(host, non_blocking=True)
+
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        """Views of the first `bucket` rows: what the Triton path of `attend` reads (the slots to write, the row
+        records and the tables); the reference path's fields are empty."""
+        empty = torch.empty(0, dtype=torch.long, device=self.ids.device)
+        paged = PagedRows(self.seq[:bucket], self.limit[:bucket], self.tree_len[:bucket], self.tree_mask[:bucket],
+                          self.tables)
+        return AttentionMetadata(slot_mapping=self.slots[:bucket], kv_slots=empty, mask=empty, spans=[],
+                                 paged=paged, block_size=self.block_size)
+
+
+class GraphRunner:
+    """The target forward over static buffers, one CUDA graph per bucket (or, with capture=False, the same forward
+    called directly: the CPU test path)."""
+
+    def __init__(self, model, kv: list, buffers: StaticBuffers, sizes: tuple[int, ...], capture: bool):
+        self.model, self.kv, self.buf, self.sizes, self.capture = model, kv, buffers, sizes, capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.captured_aux: frozenset[int] | None = None  # the model's aux layers when the graphs were captured
+        self.replays = 0  # steps that ran through the buffers (tests and /engine/stats read it)
+
+    def _body(self, bucket: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(self.buf.ids[:bucket], self.buf.positions[:bucket], self.kv, self.buf.metadata(bucket))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Largest bucket first, into one memory pool, so smaller graphs reuse the largest one's workspace. Each
+        is run twice eagerly first (Triton compiles, cuBLAS picks kernels, NCCL sets up its channels); the buffers
+        hold padding only, which touches the scratch block alone.
+
+        Captured at the first replayed step, not at load: speculative decoding chooses which layers' hidden
+        states the forward returns (EAGLE-3's aux layers) after the model is built, and a graph returns what it
+        returned when captured. Every rank reaches its first step with the same plan, so all capture together;
+        a change of aux layers captures again."""
+        self.graphs.clear()
+        self.outputs.clear()
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self.sizes, reverse=True):
+            for _ in range(2):
+                self._body(bucket)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._body(bucket)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+        self.captured_aux = frozenset(self.model.aux_layers)
+
+    def bucket(self, rows: StepRows) -> int | None:
+        return pick_bucket(len(rows.ids), self.sizes) if self.buf.fits(rows) else None
+
+    def run(self, rows: StepRows, bucket: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """(hidden [n, h], aux hidden states, the slots written) for the step's n rows. On a GPU these are views of
+        the graph's static outputs: the next replay overwrites them, so callers use them before the next step."""
+        if self.capture and self.captured_aux != frozenset(self.model.aux_layers):
+            self._capture()
+        self.buf.fill(rows, bucket)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            hidden, aux = self.outputs[bucket]
+        else:
+            hidden, aux = self._body(bucket)
+        self.replays += 1
+        n = len(rows.ids)
+        return hidden[:n], [a[:n] for a in aux], self.buf.slots[:n]
