@@ -19,8 +19,13 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     cmd = [sys.executable, "-m", "server", "train-draft", "--kind", kind, "--out", str(out), "--prompts", "builtin",
            "--num-prompts", "8", "--max-new-tokens", "24", "--max-len", "96", "--epochs", "2", "--batch-size", "4",
            "--draft-vocab", "2048", "--checkpoint-every", "2", "--dtype", "float32"]
-    if kind == "eagle3":  # the bfloat16-autocast training path (weights stay float32)
-        cmd.append("--bf16-autocast")
+    if kind == "eagle3":
+        # the path of scripts/device-train.sh: examples exported as token ids, then trained from that file; and
+        # the bfloat16-autocast training path (weights stay float32)
+        examples = tmp_path / "examples.pt"
+        r = subprocess.run(cmd + ["--export-examples", str(examples)], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0 and examples.exists() and not (out / "data.pt").exists(), r.stderr[-2000:]
+        cmd += ["--bf16-autocast", "--examples", str(examples)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "held-out expected accept length" in r.stdout

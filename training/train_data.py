@@ -88,21 +88,38 @@ def conversation_example(tok, messages: list[dict], max_len: int) -> Example:
     return ids[:max_len], spans
 
 
+def build_examples(args, out: Path) -> tuple[list[Example], int]:
+    """(examples, how many are self-distilled answers): from --examples, or answers plus ShareGPT conversations."""
+    if getattr(args, "examples", None):
+        saved = torch.load(args.examples, weights_only=False)
+        return [(ids.tolist(), spans) for ids, spans in saved["examples"]], saved["answers"]
+    examples = generate_answers(args, out)
+    num_answers = len(examples)
+    if args.conversations:
+        from worker.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve_model(args.model_path))
+        convs = sharegpt_conversations(args.conversations, args.seed)
+        examples += [conversation_example(tok, c, args.max_len) for c in tqdm(convs, desc="rendering", unit="conv")]
+    return [(ids, spans) for ids, spans in examples if spans and len(ids) > 8], num_answers
+
+
+def export_examples(args, out: Path, path: Path) -> None:
+    """Token ids and assistant spans only (int32, ~4 MB per million tokens, no text): what a machine without the
+    ShareGPT package needs to record features and train (scripts/device-train.sh)."""
+    examples, num_answers = build_examples(args, out)
+    torch.save({"examples": [(torch.tensor(ids, dtype=torch.int32), spans) for ids, spans in examples],
+                "answers": num_answers}, path)
+    print(f"{len(examples)} examples ({sum(len(i) for i, _ in examples)} tokens) -> {path}")
+
+
 def collect(args, out: Path) -> dict:
     """Examples -> one teacher-forced target pass. Cached in out/data.pt."""
     cache = out / "data.pt"
     if cache.exists():
         return torch.load(cache, weights_only=False)
     source = resolve_model(args.model_path)
-    examples = generate_answers(args, out)
-    num_answers = len(examples)
-    if args.conversations:
-        from worker.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(source)
-        convs = sharegpt_conversations(args.conversations, args.seed)
-        examples += [conversation_example(tok, c, args.max_len) for c in tqdm(convs, desc="rendering", unit="conv")]
-    examples = [(ids, spans) for ids, spans in examples if spans and len(ids) > 8]
+    examples, num_answers = build_examples(args, out)
     # eager: one pass over sequences of every length gains nothing from capturing graphs
     config = EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_len + 16,
                           enforce_eager=True)
