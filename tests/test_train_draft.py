@@ -33,6 +33,8 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     facts = config["training"]
     assert facts["steps"] == 4 and config["draft_vocab_size"] == 2048 and config["eagle_kind"] == kind
     assert (out / "model.safetensors").exists() and "Reproduce:" in (out / "README.md").read_text()
+    curve = json.loads((out / "curve.json").read_text())  # held-out accept length at each checkpoint
+    assert [c["step"] for c in curve] == [2, 4] and all(c["heldout_tau"] >= 1.0 for c in curve)
     # resumable: a second run with the checkpoint in place does no new steps and keeps the result
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r2.returncode == 0 and "resumed from step 4" in r2.stdout

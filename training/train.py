@@ -60,7 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between checkpoints; each also logs the held-out accept length to curve.json")
     p.add_argument("--examples", default=None,
                    help="train on token ids saved by --export-examples instead of building examples here")
     p.add_argument("--export-examples", default=None,
@@ -147,6 +148,16 @@ def evaluate(model, data, idx, vocab_index, args) -> dict:
     return {"heldout_tau": sum(taus) / max(n, 1)}
 
 
+def log_curve(out: Path, step: int, tau: float, seconds: float) -> None:
+    """Held-out accept length per checkpoint, appended to out/curve.json (kept across resumed runs): where the
+    curve flattens says when more steps stop paying."""
+    path = out / "curve.json"
+    curve = [c for c in (json.loads(path.read_text()) if path.exists() else []) if c["step"] < step]
+    curve.append({"step": step, "heldout_tau": round(tau, 4), "seconds": round(seconds, 1)})
+    path.write_text(json.dumps(curve, indent=1) + "\n")
+    tqdm.write(f"step {step}: held-out expected accept length {tau:.3f}")
+
+
 def warm_start(model, folder: str) -> None:
     """Continue training a saved head of the same layout (e.g. on more data)."""
     from safetensors.torch import load_file
@@ -220,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.checkpoint_every == 0 or step >= total_steps:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                             "step": step, "log": log, "rng": rng}, ckpt)
+                log_curve(out, step, evaluate(model, data, held, vocab_index, args)["heldout_tau"], time.time() - t0)
             if step >= total_steps:
                 break
     bar.close()
