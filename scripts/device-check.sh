@@ -57,23 +57,8 @@ fi
 
 : "${OUT:?run this through the device tool (it sets OUT), after 'scripts/device-check.sh prepare' here}"
 [ -d .device/whl ] || { echo "no .device/: run 'scripts/device-check.sh prepare' first and carry .device"; exit 2; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .device/whl/*.whl || exit 2
-if ls .device/model/part-* >/dev/null 2>&1; then  # the last part travels with the final call
-  mkdir -p "$STAGE" && cp .device/model/part-* "$STAGE"/
-fi
-if ls "$STAGE"/part-* >/dev/null 2>&1; then
-  gguf=.device/home/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-  cat "$STAGE"/part-* > "$gguf"
-  if [ "$(sha256sum < "$gguf" | cut -d' ' -f1)" = "$(cat .device/home/gguf.sha256 2>/dev/null)" ]; then
-    echo "staged the GGUF from $(ls "$STAGE" | tr '\n' ' ')"
-  else  # a part is missing (the machine went back between calls): measure the random-weight model only
-    echo "the staged parts ($(ls "$STAGE" | tr '\n' ' ')) do not make the GGUF; skipping the real model"
-    rm -f "$gguf"
-  fi
-fi
-export PYTHONPATH="/tmp/site:$PWD" EAGLEGATE_HOME="$PWD/.device/home" EAGLEGATE_COMMIT="$(cat .device/COMMIT)" \
-  TRITON_INTERPRET=0 EAGLEGATE_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. scripts/device-env.sh  # wheels, the staged GGUF if all its parts came (else the random-weight model only)
+export EAGLEGATE_COMMIT="$(cat .device/COMMIT)" TRITON_INTERPRET=0 EAGLEGATE_REQUIRE_CUDA=1
 { date -u; nvidia-smi -L 2>&1; python3 -c 'import torch, triton, transformers; print("torch", torch.__version__,
   "triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.version.cuda,
   "hip", torch.version.hip)'; } > "$OUT/env.txt" 2>&1

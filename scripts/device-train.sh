@@ -30,16 +30,8 @@ fi
 
 : "${OUT:?run this through the device tool (it sets OUT), after 'scripts/device-train.sh prepare' here}"
 [ -f .device/train/examples.pt ] || { echo "no .device/train/examples.pt: run 'prepare' here and carry it"; exit 2; }
-STAGE=/tmp/eaglegate-stage
-mkdir -p "$STAGE" && cp .device/model/part-* "$STAGE"/ 2>/dev/null
-gguf=.device/home/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-cat "$STAGE"/part-* > "$gguf" 2>/dev/null
-if [ "$(sha256sum < "$gguf" | cut -d' ' -f1)" != "$(cat .device/home/gguf.sha256)" ]; then
-  echo "the staged parts ($(ls "$STAGE" | tr '\n' ' ')) do not make the GGUF: stage all three first"; exit 2
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .device/whl/*.whl || exit 2
-export PYTHONPATH="/tmp/site:$PWD" EAGLEGATE_HOME="$PWD/.device/home" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. scripts/device-env.sh
+[ "$MODEL_STAGED" = 1 ] || { echo "stage all three GGUF parts first (scripts/device-check.sh stage)"; exit 2; }
 
 # defaults: the shipped head's recipe, with more epochs, which a GPU affords
 # shellcheck disable=SC2086

@@ -86,14 +86,15 @@ class SparseMoE(nn.Module):
         gated = self.cfg.shared_expert_gate
         packed = torch.empty(n, 2 * k + gated, dtype=torch.float64)
         if self.tp.is_leader or self.local_routing:
-            logits = F.linear(x.float(), self.gate.weight)
+            xf = x.float()
+            logits = F.linear(xf, self.gate.weight)
             if self.router_noise:
                 logits = logits + self.router_noise * torch.randn(logits.shape, generator=self.noise,
                                                                   device=logits.device)
             weights, ids = top_k_routing(logits, self.cfg, getattr(self.gate, "e_score_correction_bias", None))
             packed[:, :k], packed[:, k : 2 * k] = ids.cpu(), weights.cpu()  # float64 holds both exactly
             if gated:
-                packed[:, 2 * k :] = torch.sigmoid(F.linear(x.float(), self.gate.shared_expert_weight)).cpu()
+                packed[:, 2 * k :] = torch.sigmoid(F.linear(xf, self.gate.shared_expert_weight)).cpu()
         if not self.local_routing:
             self.tp.broadcast_tensor(packed)
         ids, weights = packed[:, :k].long(), packed[:, k : 2 * k].float()
