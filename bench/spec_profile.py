@@ -54,7 +54,7 @@ def main() -> None:
             for phase, seconds in m.phase_seconds.items():
                 rec.setdefault(phase, []).extend(seconds)
 
-        cfg = spec_config(args.draft, (steps, topk, ndt))
+        cfg = spec_config(args.draft, (steps, topk, ndt), 0)
         with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=8192, spec=cfg), on_step=on_step) as eng:
             n, dt = timed_tokens(eng, prompts, params, after_warmup=rec.clear)
         phases = " ".join(f"{k} {1000 * statistics.mean(v):.2f}" for k, v in rec.items() if k != "accept_lengths")

@@ -35,6 +35,9 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     assert (out / "model.safetensors").exists() and "Reproduce:" in (out / "README.md").read_text()
     curve = json.loads((out / "curve.json").read_text())  # held-out accept length at each checkpoint
     assert [c["step"] for c in curve] == [2, 4] and all(c["heldout_tau"] >= 1.0 for c in curve)
+    # each checkpoint is exported as a servable head (bench/spec_curve.py measures them)
+    assert sorted(p.name for p in (out / "heads").iterdir()) == ["step-00002", "step-00004"]
+    assert json.loads((out / "heads" / "step-00002" / "config.json").read_text())["eagle_kind"] == kind
     # resumable: a second run with the checkpoint in place does no new steps and keeps the result
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r2.returncode == 0 and "resumed from step 4" in r2.stdout
@@ -44,3 +47,50 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     spec = SpecConfig("EAGLE", str(out), num_steps=3, eagle_topk=2, num_draft_tokens=6)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=2048, spec=spec)) as eng:
         assert eng.generate([prompt], params)[0].token_ids == ref
+
+
+def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_changes():
+    """More data picks another FR-Spec vocabulary: the saved head's rows must follow their token ids, not their
+    positions, and tokens it never drafted start at zero (the target's rows would outscale the trained ones)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from speculative.defaults import DEFAULT_HEAD
+    from training.train import warm_start
+    from training.train_model import TrainableEagle3
+    from worker.dist import single_rank_group
+    from worker.loader import load_target
+    from worker.model_files import resolve_model
+
+    config = EngineConfig()
+    target, _ = load_target(config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")),
+                            torch.float32)
+    saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
+    old_vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
+    unseen = torch.tensor([t for t in range(target.lm_head.weight.shape[0]) if t not in set(old_vocab.tolist())][:100])
+    new_vocab = torch.sort(torch.cat([old_vocab[100:], unseen])).values  # 100 tokens out, 100 others in
+    head = TrainableEagle3(target, new_vocab)
+    warm_start(head, str(DEFAULT_HEAD))
+    row_of_old = {t: i for i, t in enumerate(old_vocab.tolist())}
+    for row, token in enumerate(new_vocab.tolist()):
+        want = saved["lm_head.weight"][row_of_old[token]].float() if token in row_of_old else torch.zeros(576)
+        assert torch.equal(head.lm_head[row], want), token
+    assert torch.equal(head.fc_w, saved["fc.weight"].float())
+
+
+def test_unpacked_int4_linears_compute_what_the_kernel_computes():
+    """Recording features at dense speed keeps the served int4 weights: the unpacked dense weight, multiplied by
+    oneDNN, matches the int4 kernel on the same input to bfloat16 rounding."""
+    import torch
+
+    from worker.layers import linear, unpack_quantized_linears
+    from worker.quant import pack, quantize_rtn
+
+    torch.manual_seed(0)
+    mod = torch.nn.Linear(64, 96, bias=False)
+    mod.packed, mod.qweight = None, pack(quantize_rtn(mod.weight.data, 4), torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    want = linear(x, mod).float()
+    assert unpack_quantized_linears(mod) == 1 and mod.qweight is None
+    got = linear(x, mod).float()
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2) and not torch.equal(mod.weight.float(), torch.zeros(96, 64))

@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                             "step": step, "log": log, "rng": rng}, ckpt)
                 log_curve(out, step, evaluate(model, data, held, vocab_index, args)["heldout_tau"], time.time() - t0)
+                # every checkpoint servable, so bench/spec_curve.py can measure accept length and speed along the way
+                export_head(model, cfg, draft_vocab, out / "heads" / f"step-{step:05d}", {"steps": step})
             if step >= total_steps:
                 break
     bar.close()
@@ -246,9 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
+def export_head(model, cfg, draft_vocab, out: Path, facts: dict) -> None:
+    """model.safetensors + config.json: a head the engine serves."""
     from safetensors.torch import save_file
 
+    out.mkdir(parents=True, exist_ok=True)
     state = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in model.export().items()}
     config = {"architectures": ["LlamaForCausalLM"], "eagle_kind": model.kind, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -257,22 +261,27 @@ def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
     if model.kind == "eagle":
         state["draft_vocab"] = draft_vocab.to(torch.int64)
         config["bias"] = True
-        layout = ("EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
-                  "target's LM head), restricted at draft time to")
     else:
         aux = list(default_aux_layers(cfg.num_layers))
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
-        layout = ("EAGLE-3 layout (fc fusing target layers "
-                  f"{aux}, a 2h-input decoder layer, its own LM head with d2t) "
-                  "over")
     config["training"] = facts
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
+    export_head(model, cfg, draft_vocab, out, facts)
+    layout = ("EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
+              "target's LM head), restricted at draft time to" if model.kind == "eagle" else
+              f"EAGLE-3 layout (fc fusing target layers {list(default_aux_layers(cfg.num_layers))}, a 2h-input "
+              "decoder layer, its own LM head with d2t) over")
     cmd = (f"eaglegate train-draft --kind {args.kind} --out {out.name} --prompts {args.prompts} "
            f"--num-prompts {args.num_prompts} --conversations {args.conversations} "
            f"--max-new-tokens {args.max_new_tokens} --max-len {args.max_len} --epochs {args.epochs} "
            f"--batch-size {args.batch_size} --lr {args.lr} --ce-weight {args.ce_weight} --unroll {args.unroll} "
            f"--draft-vocab {args.draft_vocab} --seed {args.seed}")
+    if args.max_steps:
+        cmd += f" --max-steps {args.max_steps} --checkpoint-every {args.checkpoint_every}"
     if args.init_from:
         cmd += f" --init-from {args.init_from}"
     cmd += "".join(f" --{flag.replace('_', '-')}" for flag in ("distilled", "bf16_autocast") if getattr(args, flag))

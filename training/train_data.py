@@ -13,6 +13,7 @@ from tqdm import tqdm
 from speculative.heads import default_aux_layers
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
+from worker.layers import unpack_quantized_linears
 from worker.model_files import resolve_model
 from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
@@ -124,6 +125,7 @@ def collect(args, out: Path) -> dict:
     config = EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_len + 16,
                           enforce_eager=True)
     runner = ModelRunner(config, source, single_rank_group(torch.device(getattr(args, "device", "cpu"))))
+    unpack_quantized_linears(runner.model)  # the served int4 weights at dense speed: ~2x faster at 512 rows
     blocks = list(range(runner.num_blocks))
     if args.kind == "eagle3":  # EAGLE-3 reads the low, middle and high layers' residual streams instead
         runner.model.aux_layers = set(default_aux_layers(runner.model_cfg.num_layers))

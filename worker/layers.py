@@ -101,6 +101,25 @@ def quantize_linears(model: nn.Module, bits: int | None, dtype: torch.dtype) -> 
     return n
 
 
+def unpack_quantized_linears(model: nn.Module) -> int:
+    """Turn each int4-kernel linear back into a dense, oneDNN-prepacked weight holding the very values the kernel
+    multiplies by (read out by running the kernel on an identity matrix). For long teacher-forced passes (recording
+    draft-training features): the int4 kernel costs ~2x dense bfloat16 at 512 rows, and the weights, hence the
+    labels, stay those of the served quantized model up to accumulation order. Returns how many were unpacked."""
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "qweight", None)
+        if w is None:
+            continue
+        eye = torch.eye(w.in_features, dtype=w.scale_zero.dtype)
+        dense = int4_linear(eye, w, None).t().contiguous()  # [out, in]: row i of the identity picks column i
+        mod.qweight = None
+        mod.weight = nn.Parameter(dense, requires_grad=False)  # a tied head's own copy; the table stays as it is
+        n += 1
+    pack_cpu_linears(model)
+    return n
+
+
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(got)}, model expects {tuple(want)}")
