@@ -74,8 +74,7 @@ class SpecLeader(Leader):
             cands = [budget.context_candidates(b, len(ids), est.context_p(n)) for b, (ids, n) in enumerate(found)]
             kind, counts = budget.plan_step(est, cost, cands, spec.num_draft_tokens - 1)
             found = [(ids[:c], n) for (ids, n), c in zip(found, counts)]
-            if kind != budget.DRAFT:
-                est.skip_draft()
+            est.chose(kind, len(seqs))
             if kind == budget.PLAIN:
                 self._count_step(kind)
                 self.plain_step(batch)

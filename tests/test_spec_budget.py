@@ -58,6 +58,21 @@ def test_plan_step_picks_plain_when_drafting_cannot_pay():
     assert budget.plan_step(est, CostTable.from_json(FLAT), ctx, 4) == (budget.CONTEXT_ONLY, [3])
 
 
+def test_a_kind_priced_out_by_one_slow_step_is_tried_again():
+    """Overheads are measured only when their kind runs: a single slow draft step must not stop drafting for good."""
+    est = Estimates(eagle_prior=1.0)
+    flat = CostTable.from_json(FLAT)
+    est.observe_step(budget.PLAIN, 1, 0.001)
+    est.observe_step(budget.DRAFT, 1, 0.5)  # one spike: half a second besides the verify
+    assert budget.plan_step(est, flat, [[]], 1)[0] == budget.PLAIN
+    for _ in range(200):
+        kind, _ = budget.plan_step(est, flat, [[]], 1)
+        if kind == budget.DRAFT:
+            break
+        est.chose(kind, 1)
+    assert kind == budget.DRAFT
+
+
 def test_context_chain_merges_into_the_draft_tree():
     t = DraftTree()
     a = t.add(11, -1, -0.1)
