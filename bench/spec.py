@@ -135,7 +135,8 @@ def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
     return toks / secs
 
 
-def plot(results: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None (with a note) where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -143,6 +144,13 @@ def plot(results: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["label"] for r in results["settings"]]

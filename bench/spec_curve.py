@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from provenance import provenance
-from spec import OUT, chat_prompt, mtbench_first_turns, single_stream, spec_config
+from spec import OUT, chat_prompt, mtbench_first_turns, pyplot, single_stream, spec_config
 
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
@@ -23,13 +23,8 @@ from worker.config import EngineConfig, SpecConfig
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     points = results["checkpoints"]
     steps = [p["step"] for p in points]
