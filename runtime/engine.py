@@ -25,7 +25,7 @@ from worker.config import EngineConfig
 from worker.loader import check_tp_divisibility
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
-from worker.protocol import AbortRequest, AddRequest, Fatal, Ready, RequestOutput, Shutdown, StepReport
+from worker.protocol import AbortRequest, AddRequest, AddRequests, Fatal, Ready, RequestOutput, Shutdown, StepReport
 from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
 from worker.stats import EngineSnapshot
 from worker.tokenizer import load_tokenizer
@@ -311,8 +311,7 @@ class Engine:
                 if rid in self._sinks:
                     raise InvalidParameterError("request_id", f"request id {rid!r} is already in flight")
                 self._sinks[rid] = sink
-            for rid, ids, params in requests:
-                self._to_leader.send_pyobj(AddRequest(rid, list(ids), params))
+            self._to_leader.send_pyobj(AddRequests([AddRequest(rid, list(ids), p) for rid, ids, p in requests]))
 
     def abort(self, request_id: str) -> None:
         """Ask rank 0 to drop a request; it frees the KV slots on every rank by its next step."""

@@ -18,6 +18,7 @@ from .protocol import (
     FINISH_DEAD_END,
     AbortRequest,
     AddRequest,
+    AddRequests,
     ForwardPlan,
     RequestOutput,
     StepPlan,
@@ -60,8 +61,9 @@ class Leader:
 
     # --- requests -------------------------------------------------------------------------------------
     def handle(self, msg) -> None:
-        if isinstance(msg, AddRequest):
-            self._add(msg)
+        if isinstance(msg, AddRequests):
+            for req in msg.requests:
+                self._add(req)
         elif isinstance(msg, AbortRequest):
             seq = self.scheduler.by_request.get(msg.request_id)
             if seq is not None:

@@ -21,6 +21,13 @@ class AddRequest:
 
 
 @dataclass
+class AddRequests:
+    """Requests submitted together arrive in one message, so rank 0 schedules them in the same step."""
+
+    requests: list[AddRequest]
+
+
+@dataclass
 class AbortRequest:
     request_id: str
 
