@@ -57,7 +57,8 @@ def test_second_sequence_shares_the_first_ones_prefix_blocks():
     b = _seq(1, prompt[:13] + [7, 8, 9])
     sched.add(b)
     _run_prefill(sched)
-    assert b.num_hit_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    assert b.num_hit_tokens == 8  # 3 blocks matched, 2 shared at admission, the third recomputed ...
+    assert b.block_table[:3] == a.block_table[:3]  # ... then deduplicated into the cached copy
     assert [n.refs for n in a.cache_nodes] == [2, 2, 2]
     _check(sched)
     sched.finish(a)
@@ -65,17 +66,6 @@ def test_second_sequence_shares_the_first_ones_prefix_blocks():
     sched.finish(b)
     assert sched.cache.pinned == 0 and sched.cache.evictable() == sched.cache.stats.cached_blocks
     assert sched.pool.num_free + sched.cache.stats.cached_blocks == 16
-
-
-def test_the_last_matched_block_is_recomputed_when_draft_kv_must_stay_exact():
-    sched = Scheduler(BlockPool(16, BS), 8, 64, 64, PrefixCache(BS), share_last_block=False)
-    prompt = list(range(10, 23))
-    for i in range(2):
-        sched.add(_seq(i, prompt))
-        _run_prefill(sched)
-    a, b = sched.running
-    assert b.num_hit_tokens == 8  # 3 blocks matched, 2 shared at admission, the third recomputed
-    assert b.block_table == a.block_table[:3] + b.block_table[3:]  # then deduplicated into the cached copy
 
 
 def test_eviction_under_a_small_pool_never_frees_a_held_block():
@@ -109,7 +99,7 @@ def test_abort_during_a_hit_prefill_leaves_references_consistent():
     b = _seq(1, prompt + list(range(400, 430)))
     sched.add(b)
     _run_prefill(sched)  # hit, then one chunk of the rest
-    assert b.num_hit_tokens == 40 and b.num_cached < len(b.token_ids)
+    assert b.num_hit_tokens == 36 and b.num_cached < len(b.token_ids)  # 10 blocks matched, the last recomputed
     _check(sched)
     sched.finish(b, "abort")
     assert sched.cache.pinned == 0 and all(n.refs == 0 for n in sched.cache._nodes())
@@ -180,7 +170,7 @@ def test_a_repeated_long_prefix_prefills_only_its_new_tokens(smol_engine):
     first = smol_engine.encode(long_prefix + " Question one?")
     second = smol_engine.encode(long_prefix + " Question two, longer?")
     one = SamplingParams(max_new_tokens=1, temperature=0)
-    before = smol_engine.stats.values["prefix_cache_hit_tokens"]
+    before = smol_engine.stats.values.get("prefix_cache_hit_tokens", 0)
     t0 = time.perf_counter()
     smol_engine.generate([first], one)
     cold = time.perf_counter() - t0
@@ -189,7 +179,7 @@ def test_a_repeated_long_prefix_prefills_only_its_new_tokens(smol_engine):
     warm = time.perf_counter() - t0
     hit = smol_engine.stats.values["prefix_cache_hit_tokens"] - before
     shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
-    assert shared - 16 < hit <= shared  # every full block of the common prefix, and nothing else
+    assert shared - 32 < hit <= shared - 16  # every full block of the common prefix but the last, nothing else
     assert warm < cold / 2, (warm, cold)  # ~800 tokens prefilled versus a handful
 
 

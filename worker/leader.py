@@ -43,7 +43,7 @@ class Leader:
         )
         cache = None if config.disable_radix_cache else PrefixCache(config.block_size)
         self.scheduler = Scheduler(pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len,
-                                   cache, share_last_block=not config.spec.enabled)
+                                   cache)
         self.rng = torch.Generator()
         self.rng.manual_seed(config.seed)
         self.step_no = 0

@@ -87,8 +87,8 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_running: int, token_budget: int, max_model_len: int,
-                 cache: PrefixCache | None = None, share_last_block: bool = True):
-        self.pool, self.cache, self.share_last_block = pool, cache, share_last_block
+                 cache: PrefixCache | None = None):
+        self.pool, self.cache = pool, cache
         self.max_running, self.token_budget, self.max_model_len = max_running, token_budget, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -184,13 +184,13 @@ class Scheduler:
 
     # --- prefix cache --------------------------------------------------------------------------------------
     def _lookup(self, seq: Sequence) -> None:
-        """At admission: share the cached blocks that prefix the sequence's tokens (all but the last matched one
-        when the draft's KV must stay exact, see prefix_cache.py)."""
+        """At admission: share the cached blocks that prefix the sequence's tokens, all but the last matched one.
+        EAGLE needs that block recomputed (its draft KV, see prefix_cache.py); a plain engine recomputes it too, so
+        both split a prompt alike and round alike in bfloat16 (a short uncached tail attends row by row, a long
+        one through SDPA), and speculative output stays identical to plain with the cache on."""
         if self.cache is None or seq.num_cached or seq.block_table:
             return
-        chain = self.cache.match(seq.token_ids)
-        if not self.share_last_block:
-            chain = chain[:-1]
+        chain = self.cache.match(seq.token_ids)[:-1]
         if not chain:
             return
         self.cache.pin(chain)
