@@ -24,7 +24,7 @@ serve: model
 
 test: model
 	bash scripts/test-deps.sh
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check server runtime worker speculative training tests bench scripts

@@ -100,17 +100,24 @@ def test_smollm2_tp3_speculative_matches_tp1_plain(copy_head, reference):
 def test_bfloat16_quantized_speculation_is_identical(copy_head, smol_dir):
     """The served numerics (bfloat16 activations, the file's 4-bit weights): the int4 kernel and row-wise attention
     compute each row on its own, so verifying a token inside a tree gives the bits decoding it alone gives, and
-    speculative greedy output equals plain greedy output exactly."""
+    speculative greedy output equals plain greedy output exactly.
+    Then each prompt again, behind a shared preamble, one at a time: prefix-cache hits, where both engines must share
+    the same blocks (a different hit length splits the prompt differently, and bfloat16 rounds the split)."""
     prompts = PROMPTS + ["Tell me about the moon.", "Why is the sky blue?", "Name a famous painter."]
+    preamble = "You are a patient teacher. Answer plainly, in a few sentences, for a curious reader. " * 3
     params = [_greedy(24)] * len(prompts)
     cfg = EngineConfig(dtype="bfloat16", quantization="auto", max_total_tokens=4096)
-    with Engine(cfg) as eng:
-        ids = [eng.encode(p) for p in prompts]
-        plain = eng.generate(ids, params)
-    with Engine(cfg.replace(spec=_spec(copy_head, 2))) as eng:
-        spec = eng.generate(ids, params)
-        assert eng.stats.values["spec_verify_steps"] > 0
-    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    runs = {}
+    for name, spec in (("plain", SpecConfig()), ("spec", _spec(copy_head, 2))):
+        with Engine(cfg.replace(spec=spec)) as eng:
+            ids = [eng.encode(p) for p in prompts]
+            out = [r.token_ids for r in eng.generate(ids, params)]
+            out += [eng.generate([preamble + p], _greedy(24))[0].token_ids for p in prompts]
+            runs[name] = (out, dict(eng.stats.values))
+    (plain, plain_stats), (spec, spec_stats) = runs["plain"], runs["spec"]
+    assert spec_stats["spec_verify_steps"] > 0
+    assert plain_stats["prefix_cache_hit_tokens"] == spec_stats["prefix_cache_hit_tokens"] > 0
+    assert spec == plain
 
 
 # --- rank noise: rank 0 decides, so noise cannot split the ranks -------------------------------------------
