@@ -8,6 +8,8 @@ table, so followers need no tree of their own.
 
 A hit shares every matched block but the last, which is recomputed into a private block: the draft's KV at a
 block's last position depends on the next token, and recomputing one block keeps every shared block read-only.
+Plain engines recompute it too, so plain and EAGLE engines split a prompt alike: bfloat16 rounds a short uncached
+tail (attended row by row) differently from a long one (SDPA), and speculative output must equal plain output.
 """
 
 from __future__ import annotations
@@ -48,14 +50,15 @@ class PrefixCache:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def match(self, tokens: list[int]) -> list[Node]:
-        """The longest chain of cached blocks that prefixes `tokens`, leaving at least one token to compute."""
+        """The blocks a new sequence shares: the longest cached chain that prefixes `tokens` (leaving at least one
+        token to compute), less its last block, which is recomputed (see the module docstring)."""
         node, chain = self.root, []
         for i in range((len(tokens) - 1) // self.block_size):
             node = node.children.get(self._key(tokens, i))
             if node is None:
                 break
             chain.append(node)
-        return chain
+        return chain[:-1]
 
     def pin(self, chain: list[Node]) -> None:
         now = next(self.clock)

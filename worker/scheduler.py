@@ -184,13 +184,10 @@ class Scheduler:
 
     # --- prefix cache --------------------------------------------------------------------------------------
     def _lookup(self, seq: Sequence) -> None:
-        """At admission: share the cached blocks that prefix the sequence's tokens, all but the last matched one.
-        EAGLE needs that block recomputed (its draft KV, see prefix_cache.py); a plain engine recomputes it too, so
-        both split a prompt alike and round alike in bfloat16 (a short uncached tail attends row by row, a long
-        one through SDPA), and speculative output stays identical to plain with the cache on."""
+        """At admission: share the cached blocks that prefix the sequence's tokens (PrefixCache.match)."""
         if self.cache is None or seq.num_cached or seq.block_table:
             return
-        chain = self.cache.match(seq.token_ids)[:-1]
+        chain = self.cache.match(seq.token_ids)
         if not chain:
             return
         self.cache.pin(chain)
