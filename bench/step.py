@@ -1,0 +1,112 @@
+"""Where a decode (or verify) step's time goes, measured in place: the step with one kind of work removed at a time.
+
+    .venv/bin/python bench/step.py [--context 300] [--rows 1,2,3,6] [--rounds 20]
+
+A profiler's per-op figures are inflated by its own overhead and miss what small ops cost in place (cold caches
+after a large matmul, dispatch), so this times the whole target forward plus LM head (in process, no HTTP, the
+served bfloat16/int4 weights) against the same step with the RMSNorms made identities, with attention skipped (no
+cache write, gather or matmuls), or with every linear replaced by a lookup of its earlier output. Each difference
+is that work's cost inside a real step. The variants are run round-robin so machine noise spreads over all of them.
+Writes bench/results/step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from provenance import provenance
+
+import worker.layers as layers
+import worker.model as model
+from worker.attention import SeqSlice
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.model_files import fetch_default_model, resolve_model
+from worker.runner import ModelRunner
+
+OUT = Path(__file__).parent / "results"
+
+
+def _no_norm(self, x):
+    return x
+
+
+def _no_attention(q, k, v, k_cache, v_cache, meta, scale):
+    return q
+
+
+def _replayed_linear(real):
+    seen: dict = {}
+
+    def linear(x, mod):
+        key = (id(mod), x.shape[0])
+        if key not in seen:
+            seen[key] = real(x, mod)
+        return seen[key]
+
+    return linear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=300, help="cached tokens behind the step")
+    ap.add_argument("--rows", default="1,2,3,6", help="query rows per step (1: decode; more: a verify tree)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    args = ap.parse_args()
+    config = EngineConfig(dtype="bfloat16", max_total_tokens=4096)
+    source = resolve_model(str(fetch_default_model(quiet=True)))
+    runner = ModelRunner(config, source, TPGroup(0, 1, torch.device("cpu")))
+    ctx = args.context
+    table = list(range(-(-(ctx + 64) // config.block_size)))
+    real_norm, real_attend, real_linear = layers.RMSNorm.forward, model.attend, layers.linear
+    variants = {
+        "full step": lambda: None,
+        "without RMSNorm": lambda: setattr(layers.RMSNorm, "forward", _no_norm),
+        "without attention": lambda: setattr(model, "attend", _no_attention),
+        "without linears": lambda: setattr(layers, "linear", _replayed_linear(real_linear)),
+    }
+
+    def restore() -> None:
+        layers.RMSNorm.forward, model.attend, layers.linear = real_norm, real_attend, real_linear
+
+    results: dict = {}
+    with torch.inference_mode():
+        runner.run_model([(i * 7919) % 40000 + 100 for i in range(ctx)], list(range(ctx)),
+                         [SeqSlice(0, ctx, table)])
+        for rows in [int(r) for r in args.rows.split(",")]:
+            ids, positions = [5] * rows, list(range(ctx, ctx + rows))
+
+            def step() -> float:
+                t0 = time.perf_counter()
+                hidden, _, _ = runner.run_model(ids, positions, [SeqSlice(ctx, rows, table)])
+                runner.model.compute_logits(hidden).float()
+                return time.perf_counter() - t0
+
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, apply in variants.items():
+                    apply()
+                    step()  # the first step of a variant fills the replay table
+                    times[name] += [step() for _ in range(args.steps)]
+                    restore()
+            ms = {name: round(1000 * statistics.median(t), 2) for name, t in times.items()}
+            full = ms.pop("full step")
+            parts = {name.removeprefix("without ") + " ms": round(full - v, 2) for name, v in ms.items()}
+            # the remainder: embedding, rotary, residual adds, SiLU, attention metadata, module dispatch
+            results[str(rows)] = {"step ms": full} | parts | {"rest ms": round(full - sum(parts.values()), 2)}
+            print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
+    OUT.mkdir(exist_ok=True)
+    out = provenance() | {"context": ctx, "unit": "ms, median; each part is the full step minus the step without it",
+                          "rows": results}
+    (OUT / "step.json").write_text(json.dumps(out, indent=2))
+    print(f"results in {OUT / 'step.json'}")
+
+
+if __name__ == "__main__":
+    main()
