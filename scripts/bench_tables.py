@@ -104,7 +104,18 @@ def prefix_table(d: dict) -> str:
         "", _source(d)])
 
 
-TABLES = {"spec": spec_table, "quant": quant_table, "prefix": prefix_table}
+def step_table(d: dict) -> str:
+    parts = [k for k in next(iter(d["rows"].values())) if k != "step ms"]
+    rows = ["| rows | step | " + " | ".join(k.removesuffix(" ms") for k in parts) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in parts) + " |"]
+    for n, r in d["rows"].items():
+        rows.append(f"| {n} | {r['step ms']:.1f} ms | " + " | ".join(f"{r[k]:.1f} ms" for k in parts) + " |")
+    return "\n".join([f"One target forward with its LM head behind {d['context']} cached tokens (bfloat16, int4), "
+                      "and what each part costs in place: the step minus the same step without it.", "", *rows, "",
+                      _source(d)])
+
+
+TABLES = {"spec": spec_table, "quant": quant_table, "prefix": prefix_table, "step": step_table}
 
 
 def render(readme: str) -> str:
