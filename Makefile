@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test lint bench llama-cpp bench-spec bench-quant bench-prefix clean
+.PHONY: setup model kernels serve test lint bench llama-cpp bench-spec bench-quant bench-prefix clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,10 +19,14 @@ setup: $(STAMP)
 model: setup
 	$(VENV)/bin/eaglegate fetch-model
 
-serve: model
+# The fused CPU kernels compile once per machine (about a minute; cached in .cache/, rebuilt when the source changes).
+kernels: setup
+	$(PY) -m worker.cpu_kernels
+
+serve: model kernels
 	$(VENV)/bin/eaglegate serve $(ARGS)
 
-test: model
+test: model kernels
 	bash scripts/test-deps.sh
 	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 

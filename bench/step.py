@@ -4,10 +4,11 @@
 
 A profiler's per-op figures are inflated by its own overhead and miss what small ops cost in place (cold caches
 after a large matmul, dispatch), so this times the whole target forward plus LM head (in process, no HTTP, the
-served bfloat16/int4 weights) against the same step with the RMSNorms made identities, with attention skipped (no
-cache write, gather or matmuls), or with every linear replaced by a lookup of its earlier output. Each difference
-is that work's cost inside a real step. The variants are run round-robin so machine noise spreads over all of them.
-Writes bench/results/step.json.
+served bfloat16/int4 weights) against the same step with the RMSNorms made identities, with attention skipped (the
+rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference is
+that work's cost inside a real step. It also times the step with the fused CPU kernels (worker/cpu_kernels.cpp)
+turned off, the eager torch ops they replace. The variants are run round-robin so machine noise spreads over all of
+them. Writes bench/results/step.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from provenance import provenance
 
 import worker.layers as layers
 import worker.model as model
+from worker import cpu_kernels
 from worker.attention import SeqSlice
 from worker.config import EngineConfig
 from worker.dist import TPGroup
@@ -36,8 +38,17 @@ def _no_norm(self, x):
     return x
 
 
+def _no_norm_after_add(self, x, delta):
+    x = x + delta
+    return x, x
+
+
 def _no_attention(q, k, v, k_cache, v_cache, meta, scale):
     return q
+
+
+def _no_rotated_attention(kernels, q, k_cache, v_cache, meta, scale, dtype):
+    return q.to(dtype)
 
 
 def _replayed_linear(real):
@@ -64,16 +75,26 @@ def main() -> None:
     runner = ModelRunner(config, source, TPGroup(0, 1, torch.device("cpu")))
     ctx = args.context
     table = list(range(-(-(ctx + 64) // config.block_size)))
-    real_norm, real_attend, real_linear = layers.RMSNorm.forward, model.attend, layers.linear
+    real = (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
+            cpu_kernels.ops(torch.device("cpu")))
+
+    def no_norm() -> None:
+        layers.RMSNorm.forward, layers.RMSNorm.after_add = _no_norm, _no_norm_after_add
+
+    def no_attention() -> None:
+        model.attend, model.attend_rotated = _no_attention, _no_rotated_attention
+
     variants = {
         "full step": lambda: None,
-        "without RMSNorm": lambda: setattr(layers.RMSNorm, "forward", _no_norm),
-        "without attention": lambda: setattr(model, "attend", _no_attention),
-        "without linears": lambda: setattr(layers, "linear", _replayed_linear(real_linear)),
+        "eager ops": lambda: setattr(cpu_kernels, "_module", None),
+        "without RMSNorm": no_norm,
+        "without attention": no_attention,
+        "without linears": lambda: setattr(layers, "linear", _replayed_linear(real[4])),
     }
 
     def restore() -> None:
-        layers.RMSNorm.forward, model.attend, layers.linear = real_norm, real_attend, real_linear
+        (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
+         cpu_kernels._module) = real
 
     results: dict = {}
     with torch.inference_mode():
@@ -96,10 +117,11 @@ def main() -> None:
                     times[name] += [step() for _ in range(args.steps)]
                     restore()
             ms = {name: round(1000 * statistics.median(t), 2) for name, t in times.items()}
-            full = ms.pop("full step")
+            full, eager = ms.pop("full step"), ms.pop("eager ops")
             parts = {name.removeprefix("without ") + " ms": round(full - v, 2) for name, v in ms.items()}
             # the remainder: embedding, rotary, residual adds, SiLU, attention metadata, module dispatch
-            results[str(rows)] = {"step ms": full} | parts | {"rest ms": round(full - sum(parts.values()), 2)}
+            results[str(rows)] = ({"step ms": full, "eager step ms": eager} | parts
+                                  | {"rest ms": round(full - sum(parts.values()), 2)})
             print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
     OUT.mkdir(exist_ok=True)
     out = provenance() | {"context": ctx, "unit": "ms, median; each part is the full step minus the step without it",

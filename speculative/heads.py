@@ -18,7 +18,7 @@ from torch import nn
 from worker.attention import AttentionMetadata
 from worker.dist import TPGroup
 from worker.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding
-from worker.model import MLP, Attention, CausalLM, DecoderLayer, layer_param_map
+from worker.model import MLP, Attention, CausalLM, DecoderLayer, layer_param_map, rope_dtype
 from worker.model_config import ModelConfig
 from worker.model_files import ModelLoadError
 from worker.weights import load_weights
@@ -117,8 +117,8 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, feats, rope, k_cache, v_cache, meta):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)
-        h = feats + self.self_attn(x, rope, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.after_add(feats, self.self_attn(x, rope, k_cache, v_cache, meta))
+        return h + self.mlp(normed)
 
 
 class DraftHead(nn.Module):
@@ -156,7 +156,7 @@ class DraftHead(nn.Module):
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         embeds = self.target.embed_tokens(ids)
-        rope = self.rope.table(positions, embeds.dtype)
+        rope = self.rope.table(positions, rope_dtype(embeds))
         feats = feats.to(embeds.dtype)
         if self.kind == "eagle":
             return self.layer(self.fc(torch.cat([embeds, feats], dim=-1)), rope, kv[0], kv[1], meta)

@@ -45,6 +45,7 @@ class AttentionMetadata:
     row_index: torch.Tensor | None = None  # [R] the query rows that attend row-wise (sequences of short chunks)
     row_kv_slots: torch.Tensor | None = None  # [R, Lr] each such row's own keys, in order, padded at the end
     row_bias: torch.Tensor | None = None  # [R, 1, Lr] float: 0 for real keys, -inf for padding
+    row_counts: torch.Tensor | None = None  # [R] how many of each row's keys are real
     row_gather: dict | None = None  # per KV-head count: flat (slot, head) indices and the bias, built once a step
     paged: object | None = None  # triton backend: per-row PagedRows (worker/triton_attention.py)
     block_size: int = 16
@@ -136,6 +137,7 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
         row_kv_slots=None if not rows else row_slots.to(device),
         row_bias=None if not rows else torch.zeros(row_valid.shape).masked_fill(~row_valid, float("-inf"))
         .unsqueeze(1).to(device),
+        row_counts=None if not rows else row_valid.sum(-1).to(device),
     )
 
 
@@ -157,7 +159,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     if meta.row_index is not None:
         rows = _attend_rows(q.index_select(0, meta.row_index), k_cache, v_cache, meta, scale)
         out.index_copy_(0, meta.row_index, rows)
-    # long chunks (prefill): one SDPA per sequence, so a sequence's numbers do not depend on its batch-mates
+    _attend_chunks(q, k_cache, v_cache, meta, scale, out)
+    return out.to(dtype)
+
+
+def attend_rotated(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The fused CPU path, after `kernels.rope_write_cache` has rotated q (float32 [N, H, D]) and written k, v: short
+    chunks attend row by row in the fused kernel, long ones through SDPA. Returns [N, H, D] in dtype."""
+    rows = meta.row_index
+    if rows is not None and rows.numel() == q.shape[0]:
+        return kernels.attend_rows(q, k_cache, v_cache, meta.row_kv_slots, meta.row_counts, scale, dtype)
+    out = torch.empty(q.shape, dtype=dtype)
+    if rows is not None:
+        out.index_copy_(0, rows, kernels.attend_rows(q.index_select(0, rows), k_cache, v_cache, meta.row_kv_slots,
+                                                     meta.row_counts, scale, dtype))
+    _attend_chunks(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def _attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """Long chunks (prefill): one SDPA per sequence, so a sequence's numbers do not depend on its batch-mates."""
     for i, (start, q_len, kv_len) in enumerate(meta.spans):
         if q_len <= ROW_WISE_MAX_Q:
             continue
@@ -168,7 +191,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask[i : i + 1, :, :q_len, :kv_len],
                                            scale=scale, enable_gqa=True)
         out[start : start + q_len] = o[0].transpose(0, 1)
-    return out.to(dtype)
 
 
 def _row_gather(meta: AttentionMetadata, hkv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .dist import TPGroup
 from .quant import Int4Weight, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
 
@@ -287,9 +288,21 @@ class RMSNorm(nn.Module):
         self.weight = _param((hidden,), dtype, lambda p, w, s=None: p.data.copy_(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one call that accumulates in float32 whatever the input dtype and rounds once (Hugging Face casts to float32,
-        # normalises, casts back, then scales: more kernels, and a second bfloat16 rounding)
+        # accumulates in float32 whatever the input dtype and rounds once (Hugging Face casts to float32, normalises,
+        # casts back, then scales: more kernels, and a second bfloat16 rounding)
+        kernels = cpu_kernels.ops(x.device)
+        if kernels is not None and x.dtype == self.weight.dtype:
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and this norm, one fused pass on CPU."""
+        kernels = cpu_kernels.ops(x.device)
+        if kernels is not None and x.dim() == 2 and x.dtype == delta.dtype == self.weight.dtype:
+            total, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
+            return total, normed
+        x = x + delta
+        return x, self(x)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float]) -> torch.Tensor:
@@ -349,7 +362,11 @@ class GatedMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce (MoE sums experts' shares, then reduces once)."""
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = linear(x, self.gate_up_proj)
+        kernels = cpu_kernels.ops(x.device)
+        if kernels is not None and gate_up.dim() == 2:
+            return linear(kernels.silu_mul(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, attend
+from . import cpu_kernels
+from .attention import AttentionMetadata, attend, attend_rotated
 from .dist import TPGroup
 from .layers import (
     GatedMLP,
@@ -42,10 +43,23 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = rope_rows(qk, *rope)  # q and k heads rotated together
-        q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
-        out = attend(q, k, qkv[:, p.q_size + p.kv_size :].view(n, -1, d), k_cache, v_cache, meta, self.scale)
+        v = qkv[:, p.q_size + p.kv_size :].view(n, -1, d)
+        kernels = cpu_kernels.ops(x.device)
+        if kernels is not None:  # one fused pass for rotary and the cache write, one for attention (rope is float32)
+            q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
+            q = kernels.rope_write_cache(q, k, v, rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache,
+                                         meta.slot_mapping)
+            out = attend_rotated(kernels, q, k_cache, v_cache, meta, self.scale, x.dtype)
+        else:
+            qk = rope_rows(qk, *rope)  # q and k heads rotated together
+            q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
+            out = attend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
+
+
+def rope_dtype(x: torch.Tensor) -> torch.dtype:
+    """The fused CPU kernels rotate in float32 from a float32 table; the eager path rotates in the model dtype."""
+    return torch.float32 if cpu_kernels.ops(x.device) is not None else x.dtype
 
 
 def MLP(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> GatedMLP:  # noqa: N802 - reads as the module it makes
@@ -63,8 +77,9 @@ class DecoderLayer(nn.Module):
         self.mlp = moe if moe is not None else MLP(cfg, tp, dtype)
 
     def forward(self, x, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
+        x, h = self.post_attention_layernorm.after_add(x, delta)
+        return x + self.mlp(h)
 
 
 class CausalLM(nn.Module):
@@ -88,7 +103,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed_tokens(input_ids)
-        rope = self.rope.table(positions, x.dtype)
+        rope = self.rope.table(positions, rope_dtype(x))
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv[i][0], kv[i][1], meta)

@@ -1,0 +1,92 @@
+"""The fused CPU kernels (worker/cpu_kernels.cpp) against float32 references built from plain torch ops, and the
+property speculation relies on: a row's result does not depend on the rows computed with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker import cpu_kernels
+from worker.layers import RotaryEmbedding, rope_rows
+
+K = cpu_kernels.ops(torch.device("cpu"))
+pytestmark = pytest.mark.skipif(K is None, reason="the fused CPU kernels did not build (a warning says why)")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_add_match_float32(dtype):
+    g = _gen()
+    x, delta = torch.randn(5, 576, generator=g).to(dtype), torch.randn(5, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ref = F.rms_norm(x.float(), (576,), w.float(), 1e-5)
+    assert torch.allclose(K.rms_norm(x, w, 1e-5).float(), ref, atol=tol, rtol=tol)
+    total, normed = K.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)  # the residual rounds exactly as torch's add
+    assert torch.allclose(normed.float(), F.rms_norm((x + delta).float(), (576,), w.float(), 1e-5), atol=tol,
+                          rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_float32(dtype):
+    gate_up = (4 * torch.randn(3, 2 * 1536, generator=_gen())).to(dtype)  # gates well into both tails
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(K.silu_mul(gate_up).float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary
+def test_rope_write_cache_matches_eager_rotary(rot):
+    h, hkv, d, n = 9, 3, 64, 4
+    g = _gen()
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g).bfloat16()
+    q, k, v = (qkv[:, : h * d].view(n, h, d), qkv[:, h * d : (h + hkv) * d].view(n, hkv, d),
+               qkv[:, (h + hkv) * d :].view(n, hkv, d))
+    cos, sin = RotaryEmbedding(rot, 1024, 10000.0, {}).table(torch.tensor([0, 7, 300, 1000]), torch.float32)
+    k_cache, v_cache = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    slots = torch.tensor([3, 17, 40, 63])
+    q_rot = K.rope_write_cache(q, k, v, cos.view(n, -1), sin.view(n, -1), k_cache, v_cache, slots)
+    ref = rope_rows(torch.cat([q, k], dim=1).float(), cos, sin)
+    assert torch.allclose(q_rot, ref[:, :h], atol=1e-6)
+    assert torch.allclose(k_cache[slots], ref[:, h:], atol=1e-6)
+    assert torch.equal(v_cache[slots], v.float())
+    untouched = torch.ones(64, dtype=torch.bool).index_fill_(0, slots, False)
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_attend_rows_matches_softmax_attention_and_is_row_independent():
+    h, hkv, d, slots_total = 9, 3, 64, 512
+    g = _gen()
+    k_cache, v_cache = torch.randn(slots_total, hkv, d, generator=g), torch.randn(slots_total, hkv, d, generator=g)
+    q = torch.randn(4, h, d, generator=g)
+    # a decode row and three tree rows: shared context, then each row's own ancestors, in scattered slots
+    context = list(range(100, 400))
+    keys = [context, context + [450], context + [450, 451], context + [450, 452]]
+    width = 320
+    row_slots = torch.zeros(4, width, dtype=torch.long)
+    for r, ks in enumerate(keys):
+        row_slots[r, : len(ks)] = torch.tensor(ks)
+    counts = torch.tensor([len(ks) for ks in keys])
+    scale = d**-0.5
+    out = K.attend_rows(q, k_cache, v_cache, row_slots, counts, scale, torch.float32)
+    for r, ks in enumerate(keys):
+        kk = k_cache[ks].repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+        vv = v_cache[ks].repeat_interleave(h // hkv, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", q[r], kk) * scale).softmax(-1)
+        assert torch.allclose(out[r], torch.einsum("hl,lhd->hd", probs, vv), atol=1e-5)
+        alone = K.attend_rows(q[r : r + 1].contiguous(), k_cache, v_cache, row_slots[r : r + 1], counts[r : r + 1],
+                              scale, torch.float32)
+        assert torch.equal(alone[0], out[r])  # bits independent of the rows beside it
+
+
+def test_attend_rows_refuses_bad_slots():
+    k_cache = torch.zeros(16, 1, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        K.attend_rows(torch.zeros(1, 1, 64), k_cache, k_cache, torch.tensor([[0, 99]]), torch.tensor([2]), 1.0,
+                      torch.float32)
