@@ -60,8 +60,9 @@ def test_rope_write_cache_matches_eager_rotary(rot):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
-def test_attend_rows_matches_softmax_attention_and_is_row_independent():
-    h, hkv, d, slots_total = 9, 3, 64, 512
+@pytest.mark.parametrize("d", [64, 48])  # the AVX-512 head-64 path and the generic one
+def test_attend_rows_matches_softmax_attention_and_is_row_independent(d):
+    h, hkv, slots_total = 9, 3, 512
     g = _gen()
     k_cache, v_cache = torch.randn(slots_total, hkv, d, generator=g), torch.randn(slots_total, hkv, d, generator=g)
     q = torch.randn(4, h, d, generator=g)

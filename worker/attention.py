@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+
 
 @dataclass
 class TreeKeys:
@@ -39,8 +41,8 @@ class SeqSlice:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
-    kv_slots: torch.Tensor  # [B, L] cache slot of each key position
-    mask: torch.Tensor  # [B, 1, T, L] bool: which keys each query row may see
+    kv_slots: torch.Tensor | None  # [B, L] cache slot of each key position (None: every row attends row-wise, fused)
+    mask: torch.Tensor | None  # [B, 1, T, L] bool: which keys each query row may see
     spans: list[tuple[int, int, int]]  # per sequence: first query row, query rows, keys
     row_index: torch.Tensor | None = None  # [R] the query rows that attend row-wise (sequences of short chunks)
     row_kv_slots: torch.Tensor | None = None  # [R, Lr] each such row's own keys, in order, padded at the end
@@ -81,6 +83,8 @@ def slots_of(block_table: list[int], positions, block_size: int) -> list[int]:
 
 def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device,
                              backend: str = "torch") -> AttentionMetadata:
+    if backend == "torch" and all(s.q_len <= ROW_WISE_MAX_Q for s in seqs) and cpu_kernels.ops(device) is not None:
+        return _fused_row_metadata(seqs, block_size)
     B = len(seqs)
     q_lens = torch.tensor([s.q_len for s in seqs])
     ctx = torch.tensor([s.ctx_len for s in seqs])
@@ -139,6 +143,36 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
         .unsqueeze(1).to(device),
         row_counts=None if not rows else row_valid.sum(-1).to(device),
     )
+
+
+def _fused_row_metadata(seqs: list[SeqSlice], block_size: int) -> AttentionMetadata:
+    """Decode and verify steps for the fused kernel: each row's key slots in order and how many are real, built
+    straight from the block tables (no masks: the kernel reads only a row's own keys)."""
+    rows: list[torch.Tensor] = []
+    counts: list[int] = []
+    writes: list[torch.Tensor] = []
+    for s in seqs:
+        table = torch.tensor(s.block_table, dtype=torch.long)
+        known = s.ctx_len if s.tree else s.ctx_len + s.q_len
+        pos = torch.arange(known)
+        slots = table[pos // block_size] * block_size + pos % block_size
+        if s.tree is None:  # causal: every row reads a prefix of the same list
+            writes.append(slots[s.ctx_len :])
+            rows += [slots] * s.q_len
+            counts += range(s.ctx_len + 1, known + 1)
+            continue
+        keys = torch.tensor(s.tree.key_slots, dtype=torch.long)
+        writes.append(torch.tensor(s.tree.write_slots, dtype=torch.long))
+        for r in range(s.q_len):  # the context, then the row's ancestors and itself
+            own = keys[s.tree.mask[r]]
+            rows.append(torch.cat([slots, own]))
+            counts.append(s.ctx_len + len(own))
+    n = len(counts)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(writes), kv_slots=None, mask=None,
+        spans=[(0, s.q_len, 0) for s in seqs],  # only their q_len is read (no long chunk to attend)
+        row_index=torch.arange(n), row_kv_slots=torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+        row_counts=torch.tensor(counts, dtype=torch.long), block_size=block_size)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

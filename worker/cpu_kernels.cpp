@@ -7,6 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <vector>
 
@@ -105,6 +108,42 @@ void norm_row(const T* x, const T* w, T* out, int64_t c, float eps) {
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, features] with contiguous features");
 }
+
+#ifdef __AVX512F__
+// Head size 64 with AVX-512: a key or value row is four registers, the accumulator stays in registers, and each dot
+// product is reduced by one fixed shuffle sequence.
+inline void attend_head64(const float* q, const float* k0, const float* v0, int64_t stride, const int64_t* slots,
+                          int64_t len, float scale, float* p, float* out) {
+  __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+         q3 = _mm512_loadu_ps(q + 48);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = k0 + slots[t] * stride;
+    __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+    __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
+    a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
+    b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
+    p[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+  }
+  float m = p[0];
+  for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
+  for (int64_t t = 0; t < len; ++t) p[t] = exp_approx(p[t] - m);
+  float inv = 1.0f / lane_sum(p, len);
+  __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = v0 + slots[t] * stride;
+    __m512 pt = _mm512_set1_ps(p[t]);
+    o0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), o0);
+    o1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), o1);
+    o2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), o2);
+    o3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), o3);
+  }
+  __m512 s = _mm512_set1_ps(inv);
+  _mm512_storeu_ps(out, _mm512_mul_ps(o0, s));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(o1, s));
+  _mm512_storeu_ps(out + 32, _mm512_mul_ps(o2, s));
+  _mm512_storeu_ps(out + 48, _mm512_mul_ps(o3, s));
+}
+#endif
 
 }  // namespace
 
@@ -231,8 +270,8 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 // Attention of each query row over exactly its own keys: q [N, H, D] float32, row_slots [N, Lr] (each row's cache
-// slots in position order, the first row_counts[r] real). One thread computes a whole (row, head), so the result
-// depends only on that row's keys. Returns [N, H, D] in out_dtype.
+// slots in position order, the first row_counts[r] real). One thread computes a whole (row, head), in the
+// same order whatever runs beside it, so the result depends only on that row's keys. Returns [N, H, D] in out_dtype.
 torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor row_slots,
                           torch::Tensor row_counts, double scale, at::ScalarType out_dtype) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32");
@@ -266,6 +305,13 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
         int64_t r = item / h, j = item % h, kvh = j / group, len = cn[r];
         const float* qr = qp + item * d;
         const int64_t* rs = sl + r * width;
+#ifdef __AVX512F__
+        if (d == 64) {
+          attend_head64(qr, kc + kvh * d, vc + kvh * d, hkv * d, rs, len, sc, p.data(), acc.data());
+          for (int64_t i = 0; i < d; ++i) op[item * d + i] = from_f<scalar_t>(acc[i]);
+          continue;
+        }
+#endif
         for (int64_t t = 0; t < len; ++t) p[t] = dot(qr, kc + (rs[t] * hkv + kvh) * d, d) * sc;
         float m = p[0];
         for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
