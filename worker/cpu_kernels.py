@@ -24,6 +24,12 @@ def build():
     """Compile (or load the cached build of) the extension; raises if the compiler fails."""
     from torch.utils.cpp_extension import load
 
+    try:  # the pinned ninja wheel's binary, which torch looks for on PATH (a venv's bin is not on it unless activated)
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     return load(name="eaglegate_cpu_kernels", sources=[str(SOURCE)], build_directory=str(BUILD_DIR),
                 extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
