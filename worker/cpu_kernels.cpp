@@ -150,7 +150,8 @@ inline void attend_head64(const float* q, const float* k0, const float* v0, int6
 // RMSNorm of each row of x [N, C]: float32 accumulation, one rounding to x's dtype.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == x.scalar_type(), "weight must be contiguous, x's dtype");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == x.scalar_type() && w.numel() == x.size(1),
+              "weight must be contiguous, x's dtype, one per feature");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   int64_t c = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
@@ -172,6 +173,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
   check_rows(delta, "delta");
   TORCH_CHECK(delta.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
               "x, delta and weight must share a dtype");
+  TORCH_CHECK(delta.sizes() == x.sizes() && w.numel() == x.size(1), "x, delta and weight sizes differ");
   int64_t n = x.size(0), c = x.size(1);
   auto sum = torch::empty({n, c}, x.options());
   auto out = torch::empty({n, c}, x.options());
@@ -228,7 +230,9 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == d && t->scalar_type() == q.scalar_type(),
                 "q, k, v must be [rows, heads, head_dim] with contiguous heads and one dtype");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(0) == n, "cos/sin must be contiguous float32 [rows, rot]");
+                  sin.is_contiguous() && cos.size(0) == n && sin.sizes() == cos.sizes() && rot <= d && rot % 2 == 0,
+              "cos/sin must be contiguous float32 [rows, rot], rot even and at most head_dim");
+  TORCH_CHECK(k.size(0) == n && v.size(0) == n && v.size(1) == hkv, "q, k, v row or head counts differ");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.size(1) == hkv && k_cache.size(2) == d,
               "caches must be contiguous float32 [slots, kv_heads, head_dim]");
@@ -275,8 +279,10 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
 torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor row_slots,
                           torch::Tensor row_counts, double scale, at::ScalarType out_dtype) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous float32");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous float32 [slots, kv_heads, head_dim] of one shape");
+  TORCH_CHECK(row_slots.dim() == 2, "row_slots must be [rows, width]");
   int64_t n = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), width = row_slots.size(1);
   TORCH_CHECK(h % hkv == 0 && k_cache.size(2) == d, "head layout mismatch");
   auto slots = row_slots.to(at::kLong).contiguous();

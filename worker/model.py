@@ -45,13 +45,13 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         v = qkv[:, p.q_size + p.kv_size :].view(n, -1, d)
         kernels = cpu_kernels.ops(x.device)
-        if kernels is not None:  # one fused pass for rotary and the cache write, one for attention (rope is float32)
+        if kernels is not None and meta.paged is None:  # fused: rotary and the cache write, then attention (f32 rope)
             q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
             q = kernels.rope_write_cache(q, k, v, rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache,
                                          meta.slot_mapping)
             out = attend_rotated(kernels, q, k_cache, v_cache, meta, self.scale, x.dtype)
         else:
-            qk = rope_rows(qk, *rope)  # q and k heads rotated together
+            qk = rope_rows(qk, *(t.to(qk.dtype) for t in rope))  # q and k heads rotated together
             q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
             out = attend(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, -1))
