@@ -202,11 +202,11 @@ def attend_rotated(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """The fused CPU path, after `kernels.rope_write_cache` has rotated q (float32 [N, H, D]) and written k, v: short
     chunks attend row by row in the fused kernel, long ones through SDPA. Returns [N, H, D] in dtype."""
     rows = meta.row_index
+    if rows is not None and rows.numel() == q.shape[0]:  # decode and verify: every row in one call
+        return kernels.attend_rows(q, k_cache, v_cache, meta.row_kv_slots, meta.row_counts, scale, dtype)
     covered = (0 if rows is None else rows.numel()) + sum(q_len for _, q_len, _ in meta.spans if q_len > ROW_WISE_MAX_Q)
     if covered != q.shape[0]:
         raise ValueError(f"attention metadata covers {covered} of {q.shape[0]} rows (built for another backend?)")
-    if rows is not None and rows.numel() == q.shape[0]:
-        return kernels.attend_rows(q, k_cache, v_cache, meta.row_kv_slots, meta.row_counts, scale, dtype)
     out = torch.empty(q.shape, dtype=dtype)
     if rows is not None:
         out.index_copy_(0, rows, kernels.attend_rows(q.index_select(0, rows), k_cache, v_cache, meta.row_kv_slots,

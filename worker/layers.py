@@ -299,8 +299,7 @@ class RMSNorm(nn.Module):
         """(x + delta, norm(x + delta)): the residual add and this norm, one fused pass on CPU."""
         kernels = cpu_kernels.ops(x.device)
         if kernels is not None and x.dim() == 2 and x.dtype == delta.dtype == self.weight.dtype:
-            total, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
-            return total, normed
+            return tuple(kernels.add_rms_norm(x, delta, self.weight, self.eps))
         x = x + delta
         return x, self(x)
 
