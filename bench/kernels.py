@@ -1,6 +1,7 @@
 """The cost table behind the quantized kernel choice: all 121 linears of one SmolLM2-135M step (30 layers' weights,
-cycled so they are not cache-resident) per row count T, in groupwise int4, int8 as two int4 planes, and oneDNN's
-prepacked bfloat16, plus the tied 49152-row LM head.
+cycled so they are not cache-resident) per row count T, in groupwise int4 and int8 on our `qlinear` and on torch's
+int4 kernel (int8 as two int4 planes), and oneDNN's prepacked bfloat16, plus the tied 49152-row LM head. Kernels
+take turns within each repetition, so the machine's drift falls on all of them alike.
 
     .venv/bin/python bench/kernels.py [--rows 1,2,3,4,5,6,8,16,64] [--reps 7]
 
@@ -17,21 +18,11 @@ from pathlib import Path
 import torch
 from provenance import provenance
 
-from worker.quant import int4_linear, pack, quantize_rtn
+from worker.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn
 
 OUT = Path(__file__).parent / "results"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # qkv, o, gate_up, down
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def step_fn(weights, kernel, rows: int):
@@ -44,6 +35,12 @@ def step_fn(weights, kernel, rows: int):
     return run
 
 
+def timed_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,16,64")
@@ -51,25 +48,35 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     dense = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
-    kernels = {
-        "int4": ([[pack(quantize_rtn(w, 4)) for w in layer] for layer in dense],
-                 lambda x, w: int4_linear(x, w, None)),
-        "int8 (two int4 planes)": ([[pack(quantize_rtn(w, 8)) for w in layer] for layer in dense],
-                                   lambda x, w: int4_linear(x, w, None)),
-        "bfloat16 oneDNN": ([[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in layer]
-                             for layer in dense],
+    int4 = [[quantize_rtn(w, 4) for w in layer] for layer in dense]
+    int8 = [[quantize_rtn(w, 8) for w in layer] for layer in dense]
+    head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.02
+    head4, head8 = quantize_rtn(head, 4), quantize_rtn(head, 8)
+    run = lambda x, w: int4_linear(x, w, None)  # noqa: E731 - both layouts go through the serving entry point
+    blocks = lambda qt: pack_blocks(qt, torch.bfloat16)  # noqa: E731
+    onednn = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)  # noqa: E731
+    kernels = {  # name: (step weights, head weight, kernel)
+        "qlinear int4": ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run),
+        "qlinear int8": ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run),
+        "torch int4": ([[pack_int4(q) for q in layer] for layer in int4], pack_int4(head4), run),
+        "torch int8 (two int4 planes)": ([[pack_int4(q) for q in layer] for layer in int8], pack_int4(head8), run),
+        "bfloat16 oneDNN": ([[onednn(w) for w in layer] for layer in dense], onednn(head),
                             lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
     }
-    head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.02
-    heads = {"int4": pack(quantize_rtn(head, 4)), "int8 (two int4 planes)": pack(quantize_rtn(head, 8)),
-             "bfloat16 oneDNN": torch.ops.mkldnn._reorder_linear_weight(head.bfloat16(), 1)}
     table: dict = {}
     for rows in [int(r) for r in args.rows.split(",")]:
-        row = {}
-        for name, (weights, kernel) in kernels.items():
-            row[name] = round(median_ms(step_fn(weights, kernel, rows), args.reps), 2)
-            x = torch.randn(rows, HIDDEN, dtype=torch.bfloat16)
-            row[name + " LM head"] = round(median_ms(lambda k=kernel, w=heads[name], x=x: k(x, w), args.reps), 3)
+        x = torch.randn(rows, HIDDEN, dtype=torch.bfloat16)
+        fns = {}
+        for name, (weights, head_w, kernel) in kernels.items():
+            fns[name] = step_fn(weights, kernel, rows)
+            fns[name + " LM head"] = lambda k=kernel, w=head_w: k(x, w)
+        times: dict = {name: [] for name in fns}
+        for rep in range(args.reps + 1):  # the first round warms up
+            for name, fn in fns.items():
+                t = timed_ms(fn)
+                if rep:
+                    times[name].append(t)
+        row = {name: round(sorted(t)[len(t) // 2], 3 if "head" in name else 2) for name, t in times.items()}
         table[str(rows)] = row
         print(f"T={rows}: " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     OUT.mkdir(exist_ok=True)

@@ -7,7 +7,8 @@ after a large matmul, dispatch), so this times the whole target forward plus LM 
 served bfloat16/int4 weights) against the same step with the RMSNorms made identities, with attention skipped (the
 rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference is
 that work's cost inside a real step. It also times the step with the fused CPU kernels (worker/cpu_kernels.cpp)
-turned off, the eager torch ops they replace. The variants are run round-robin so machine noise spreads over all of
+turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the linears on torch's int4
+kernel instead of `qlinear` (the same codes). The variants are run round-robin so machine noise spreads over all of
 them. Writes bench/results/step.json.
 """
 
@@ -29,6 +30,7 @@ from worker.attention import SeqSlice
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.model_files import fetch_default_model, resolve_model
+from worker.quant import QBlocks, pack_int4
 from worker.runner import ModelRunner
 
 OUT = Path(__file__).parent / "results"
@@ -92,9 +94,16 @@ def main() -> None:
         "without linears": lambda: setattr(layers, "linear", _replayed_linear(real[4])),
     }
 
+    ours = {mod: mod.qweight for mod in runner.model.modules() if isinstance(getattr(mod, "qweight", None), QBlocks)}
+    theirs = {mod: pack_int4(w.qtensor(), w.dtype) for mod, w in ours.items()}
+    if ours:
+        variants["torch int4"] = lambda: [setattr(mod, "qweight", w) for mod, w in theirs.items()]
+
     def restore() -> None:
         (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
          cpu_kernels._module) = real
+        for mod, w in ours.items():
+            mod.qweight = w
 
     results: dict = {}
     with torch.inference_mode():
@@ -117,10 +126,10 @@ def main() -> None:
                     times[name] += [step() for _ in range(args.steps)]
                     restore()
             ms = {name: round(1000 * statistics.median(t), 2) for name, t in times.items()}
-            full, eager = ms.pop("full step"), ms.pop("eager ops")
+            full, eager, torch_int4 = ms.pop("full step"), ms.pop("eager ops"), ms.pop("torch int4", None)
             parts = {name.removeprefix("without ") + " ms": round(full - v, 2) for name, v in ms.items()}
             # the remainder: embedding, rotary, residual adds, SiLU, attention metadata, module dispatch
-            results[str(rows)] = ({"step ms": full, "eager step ms": eager} | parts
+            results[str(rows)] = ({"step ms": full, "eager step ms": eager, "torch int4 step ms": torch_int4} | parts
                                   | {"rest ms": round(full - sum(parts.values()), 2)})
             print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
     OUT.mkdir(exist_ok=True)

@@ -12,11 +12,22 @@ import torch
 from conftest import chat
 
 from runtime.engine import Engine
+from worker import cpu_kernels
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model_files import GGUF_NAME, ModelLoadError, resolve_model
 from worker.protocol import ForwardPlan
-from worker.quant import GGUF_SUPPORTED, QTensor, cat_rows, gguf_blocks, int4_linear, pack, quantize_rtn
+from worker.quant import (
+    GGUF_SUPPORTED,
+    QBlocks,
+    QTensor,
+    cat_rows,
+    gguf_blocks,
+    int4_linear,
+    pack_blocks,
+    pack_int4,
+    quantize_rtn,
+)
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 from worker.weights import gguf_tensor
@@ -80,18 +91,55 @@ def test_unsupported_gguf_type_is_a_clear_error():
         assert "blk.3.attn_q.weight" in msg and "IQ2_XXS" in msg and all(k in msg for k in GGUF_SUPPORTED)
 
 
+def _qlinear(generic: bool):
+    if cpu_kernels.ops(torch.device("cpu")) is None:
+        pytest.skip("the CPU kernels are not built here")
+    return lambda x, w: w.kernel(x, w.codes, w.scale_offset, w.bits, w.out_features, generic)
+
+
+KERNELS = {
+    "torch int4": lambda: lambda x, w: int4_linear(x, w, None),
+    "qlinear": lambda: _qlinear(False),
+    "qlinear portable": lambda: _qlinear(True),
+}
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int4_kernel_matches_float32_matmul(bits):
-    """The kernel's output against a float32 matmul over the dequantized weight (one bfloat16 rounding apart)."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_quantized_kernels_match_float32_matmul(bits, kernel):
+    """Each kernel's output against a float32 matmul over the dequantized weight (one bfloat16 rounding apart), on
+    an output count that leaves the last block of 16 partial."""
     g = torch.Generator().manual_seed(bits)
-    w = torch.randn(192, 256, generator=g) * torch.rand(192, 1, generator=g)
+    w = torch.randn(200 if kernel != "torch int4" else 192, 256, generator=g) * torch.rand(1, 1, generator=g)
     qt = quantize_rtn(w, bits)
-    x = torch.randn(7, 256, generator=g).bfloat16()
+    packed = pack_int4(qt) if kernel == "torch int4" else pack_blocks(qt, torch.bfloat16)
+    run = KERNELS[kernel]()
+    x = torch.randn(11, 256, generator=g).bfloat16()
     ref = x.float() @ qt.dequantize().t()
-    out = int4_linear(x, pack(qt), None).float()
-    assert ((out - ref).abs().max() / ref.abs().max()) < 0.01
-    # rows computed together equal rows computed alone: what makes verify and decode agree bit for bit
-    assert torch.equal(int4_linear(x[2:3], pack(qt), None), int4_linear(x, pack(qt), None)[2:3])
+    out = run(x, packed)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.float() - ref).abs().max() / ref.abs().max()) < 0.01
+    # rows computed together equal rows computed alone, whatever the batch: what makes verify and decode agree
+    for rows in (slice(2, 3), slice(4, 6), slice(0, 9)):
+        assert torch.equal(run(x[rows], packed), out[rows])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlinear_layout_keeps_every_code(bits):
+    """pack_blocks loses nothing but the scales' rounding to float16 (GGUF's own scale type)."""
+    if cpu_kernels.ops(torch.device("cpu")) is None:
+        pytest.skip("the CPU kernels are not built here")
+    qt = quantize_rtn(torch.randn(40, 96), bits)
+    back = pack_blocks(qt, torch.bfloat16).qtensor()
+    assert back.bits == bits and torch.equal(back.q, qt.q)
+    assert torch.equal(back.scale, qt.scale.half().float()) and torch.equal(back.offset, qt.offset.half().float())
+
+
+def test_qlinear_refuses_a_mismatched_layout():
+    run = _qlinear(False)
+    packed = pack_blocks(quantize_rtn(torch.randn(32, 64), 4), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="in_features"):
+        run(torch.randn(1, 96).bfloat16(), packed)
 
 
 def test_mixed_widths_widen_exactly():
@@ -118,8 +166,13 @@ def test_auto_keeps_the_files_quantization(quantized_runner):
     model = quantized_runner.model
     layer = model.layers[0]
     for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert mod.qweight is not None and mod.qweight.planes == 1 and mod.weight.numel() == 0
-    assert model.lm_head.qweight.planes == 2  # the tied Q8_0 table: two exact 4-bit planes
+        assert mod.qweight is not None and mod.weight.numel() == 0
+    if isinstance(model.lm_head.qweight, QBlocks):  # our kernel keeps the file's codes as they are
+        assert {mod.qweight.bits for mod in (layer.self_attn.qkv_proj, layer.mlp.down_proj)} == {4}
+        assert model.lm_head.qweight.bits == 8  # the tied Q8_0 table
+    else:
+        assert layer.mlp.down_proj.qweight.planes == 1
+        assert model.lm_head.qweight.planes == 2  # the tied Q8_0 table: two exact 4-bit planes
     weight_bytes = sum(m.qweight.nbytes for m in model.modules() if getattr(m, "qweight", None) is not None)
     assert weight_bytes < 1.2 * resolve_model(QUANTIZED.model_path).path.stat().st_size
 

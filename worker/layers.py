@@ -11,7 +11,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .dist import TPGroup
-from .quant import Int4Weight, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
+from .quant import Int4Weight, QBlocks, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
 
 def _init_linear(mod: nn.Module) -> None:
     mod.packed: torch.Tensor | None = None
-    mod.qweight: Int4Weight | None = None
+    mod.qweight: QBlocks | Int4Weight | None = None
     mod.qparts: list[tuple[int, QTensor]] = []  # quantized checkpoint pieces by first row, until quantize_linears
 
 
@@ -112,7 +112,7 @@ def unpack_quantized_linears(model: nn.Module) -> int:
         w = getattr(mod, "qweight", None)
         if w is None:
             continue
-        eye = torch.eye(w.in_features, dtype=w.scale_zero.dtype)
+        eye = torch.eye(w.in_features, dtype=w.dtype)
         dense = int4_linear(eye, w, None).t().contiguous()  # [out, in]: row i of the identity picks column i
         mod.qweight = None
         mod.weight = nn.Parameter(dense, requires_grad=False)  # a tied head's own copy; the table stays as it is

@@ -1,24 +1,29 @@
-"""Groupwise weight quantization: GGUF blocks kept as they are, round-to-nearest for dense checkpoints, and one
-CPU kernel (`aten._weight_int4pack_mm_for_cpu`) that runs both 4-bit and 8-bit weights.
+"""Groupwise weight quantization: GGUF blocks kept as they are, round-to-nearest for dense checkpoints, and the CPU
+kernels that run them: our own `qlinear` (worker/cpu_kernels.cpp) where it is built, else torch's
+`aten._weight_int4pack_mm_for_cpu`.
 
 A quantized weight travels through loading as a `QTensor` (codes, per-group scale and offset), so every rank
-slices it exactly as it slices a dense weight. After loading, `pack` turns it into the kernel's layout. 8-bit codes
-run as two 4-bit planes side by side (q = 16*hi + lo), which keeps Q8_0's codes on the same kernel. The kernel's
-scales are bfloat16, so a GGUF's fp16 scales lose 3 of their 11 significant bits: the one rounding on this path.
+slices it exactly as it slices a dense weight. After loading, `pack` turns it into a kernel's layout.
 
-Why this kernel: measured on the 2-core AVX-512 machine (bench/kernels.py, `bench/results/kernels.json`), all 121
-linears of one SmolLM2 step take ~5 ms in int4 against ~15 ms in packed bfloat16 for up to 4 rows, and the kernel
-computes every row on its own, so a row's result does not depend on how many rows run with it: verify (T = tree
-size) and decode (T = 1) give the same bits, which keeps speculation lossless in bfloat16.
+Why `qlinear`: it keeps 4- and 8-bit codes as they are with float16 scales (GGUF's own, so exact), turns a group's
+codes into bfloat16 once and multiplies them into every row with AVX512-BF16 dot products, so each verify row adds
+little, where torch's kernel dequantizes again per block of rows (bench/kernels.py, `bench/results/kernels.json`).
+
+Torch's kernel, the fallback, runs 8-bit codes as two 4-bit planes side by side (q = 16*hi + lo) and takes bfloat16
+scales, so a GGUF's fp16 scales lose 3 of their 11 significant bits there. Both kernels compute every row on its
+own, in one fixed order, so a row's result does not depend on how many rows run with it: verify (T = tree size) and
+decode (T = 1) give the same bits, which keeps speculation lossless in bfloat16.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from . import cpu_kernels
 from .config import QUANTIZATION_CHOICES
 
 GROUP = 32  # GGUF's block size, and the kernel's group size
@@ -136,8 +141,75 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zero.nbytes
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale_zero.dtype
 
-def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+
+@dataclass(frozen=True)
+class QBlocks:
+    """A weight in `cpu_kernels.qlinear`'s layout: blocks of 16 outputs (zero-padded), codes of each input pair for
+    the 16 outputs side by side, and float16 scale and offset per block and group (see the kernel's comment)."""
+
+    codes: torch.Tensor  # uint8 (4 bits, two codes a byte) or int8, [blocks, groups, 16 * 32 * bits / 8]
+    scale_offset: torch.Tensor  # float16 [blocks, groups, 2, 16]
+    bits: int
+    out_features: int
+    in_features: int
+    dtype: torch.dtype  # the activations' dtype
+    kernel: Callable = field(repr=False, compare=False)  # cpu_kernels' qlinear: the layout is this build's
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale_offset.nbytes
+
+    def qtensor(self) -> QTensor:
+        """The weight back as a QTensor (scales as float16 kept them): to repack it for another kernel."""
+        blocks, groups, _ = self.codes.shape
+        if self.bits == 4:
+            pairs = self.codes.view(blocks, groups, GROUP // 4, 16, 2)
+            quads = torch.cat([pairs & 15, pairs >> 4], dim=-1)  # [block, group, quad, lane, 4]
+            q = quads.permute(0, 3, 1, 2, 4)
+        else:
+            q = self.codes.view(blocks, groups, GROUP // 2, 16, 2).permute(0, 3, 1, 2, 4)
+        q = q.reshape(blocks * 16, self.in_features)[: self.out_features]
+        scale, offset = (self.scale_offset[:, :, i].permute(0, 2, 1).reshape(blocks * 16, groups)[: self.out_features]
+                         .float() for i in (0, 1))
+        return QTensor(q.contiguous(), scale.contiguous(), offset.contiguous(), self.bits)
+
+
+def pack_blocks(qt: QTensor, dtype: torch.dtype) -> QBlocks:
+    kernels = cpu_kernels.ops(torch.device("cpu"))
+    if kernels is None:
+        raise RuntimeError("the CPU kernels are not built, so there is no qlinear to pack for")
+    n, k = qt.shape
+    groups, blocks = k // GROUP, -(-n // 16)
+    pad = blocks * 16 - n
+    q, scale, offset = qt.q.contiguous(), qt.scale.contiguous(), qt.offset.contiguous()
+    if pad:
+        q = torch.cat([q, torch.zeros(pad, k, dtype=q.dtype)])
+        scale, offset = (torch.cat([t, torch.zeros(pad, groups)]) for t in (scale, offset))
+    if qt.bits == 4:  # [block, group, quad of inputs, lane, 4]: byte = pair 2p (low nibble) | pair 2p + 1 (high)
+        quads = q.view(blocks, 16, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)
+        codes = quads[..., :2] | (quads[..., 2:] << 4)
+    else:  # [block, group, pair, lane, 2]
+        codes = q.view(blocks, 16, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    lanes = [t.view(blocks, 16, groups).permute(0, 2, 1) for t in (scale, offset)]
+    return QBlocks(codes.contiguous().view(blocks, groups, -1), torch.stack(lanes, dim=2).half().contiguous(),
+                   qt.bits, n, k, dtype, kernels.qlinear)
+
+
+def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> QBlocks | Int4Weight:
+    """Our kernel's layout where it is built and applies (bfloat16 activations, scales within float16's range), else
+    torch's int4 kernel's."""
+    fp16_max = torch.finfo(torch.float16).max
+    if (dtype == torch.bfloat16 and cpu_kernels.ops(torch.device("cpu")) is not None
+            and max(qt.scale.abs().max().item(), qt.offset.abs().max().item()) <= fp16_max):
+        return pack_blocks(qt, dtype)
+    return pack_int4(qt, dtype)
+
+
+def pack_int4(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
     """The kernel computes (u - 8) * s + z for a 4-bit code u. 4 bits: u = q, z = offset + 8s. 8 bits: two planes,
     hi = q >> 4 in -8..7 as u = hi + 8 with s = 16d, z = offset, and lo = q & 15 with s = d, z = 8d."""
     n, k = qt.shape
@@ -154,9 +226,14 @@ def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
     return Int4Weight(packed, sz.transpose(0, 1).contiguous().to(dtype), len(codes), n, k)
 
 
-def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, w: QBlocks | Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if isinstance(w, QBlocks):
+        y = w.kernel(x2, w.codes, w.scale_offset, w.bits, w.out_features, False)
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], w.out_features)
     if w.planes == 2:
         x2 = torch.cat([x2, x2], dim=-1)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, GROUP, w.scale_zero)
