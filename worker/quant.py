@@ -200,10 +200,11 @@ def pack_blocks(qt: QTensor, dtype: torch.dtype) -> QBlocks:
 
 
 def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> QBlocks | Int4Weight:
-    """Our kernel's layout where it is built and applies (bfloat16 activations, scales within float16's range), else
-    torch's int4 kernel's."""
+    """Our kernel's layout where its AVX512-BF16 path is built and applies (bfloat16 activations, scales within
+    float16's range), else torch's int4 kernel's (its portable path is for tests and odd shapes, not for serving)."""
+    kernels = cpu_kernels.ops(torch.device("cpu"))
     fp16_max = torch.finfo(torch.float16).max
-    if (dtype == torch.bfloat16 and cpu_kernels.ops(torch.device("cpu")) is not None
+    if (dtype == torch.bfloat16 and kernels is not None and kernels.qlinear_fast()
             and max(qt.scale.abs().max().item(), qt.offset.abs().max().item()) <= fp16_max):
         return pack_blocks(qt, dtype)
     return pack_int4(qt, dtype)
