@@ -348,7 +348,7 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
 // gets when decoded alone.
 constexpr int QGROUP = 32;
 constexpr int QBLOCK = 16;  // outputs per block, one per lane
-constexpr int QROWS = 3;    // rows whose accumulators stay in registers together (4 measured slower)
+constexpr int QROWS = 4;    // rows whose accumulators stay in registers together
 constexpr int64_t QTILE = 8;  // blocks of weights (128 outputs) that every row chunk passes over in turn
 
 inline int qcode(const uint8_t* blk, int bits, int i, int k) {  // code of output lane i, input k of a block-group
@@ -452,14 +452,17 @@ void qlinear_avx512(const c10::BFloat16* x, const float* xsum, int64_t m, int64_
   const int64_t groups = k / QGROUP;
   for (int64_t t0 = b0; t0 < b1; t0 += QTILE) {  // all row chunks pass over a tile while it is in cache
     int64_t t1 = std::min(b1, t0 + QTILE);
-    for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
+    int64_t chunks = (m + QROWS - 1) / QROWS;
+    for (int64_t r0 = 0, rows; r0 < m; r0 += rows, --chunks) {
+      rows = (m - r0 + chunks - 1) / chunks;  // even chunks: 4 rows run as 2 + 2, not 3 + 1
       const c10::BFloat16* xr = x + r0 * k;
       const float* sr = xsum + r0 * groups;
       float* yr = y + r0 * n;
-      switch (std::min<int64_t>(QROWS, m - r0)) {
+      switch (rows) {
         case 1: qlinear_rows<BITS, 1>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
         case 2: qlinear_rows<BITS, 2>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        default: qlinear_rows<BITS, 3>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
+        case 3: qlinear_rows<BITS, 3>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
+        default: qlinear_rows<BITS, 4>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
       }
     }
   }
