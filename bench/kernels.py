@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from provenance import provenance
 
+from worker import cpu_kernels
 from worker.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn
 
 OUT = Path(__file__).parent / "results"
@@ -55,9 +56,13 @@ def main() -> None:
     run = lambda x, w: int4_linear(x, w, None)  # noqa: E731 - both layouts go through the serving entry point
     blocks = lambda qt: pack_blocks(qt, torch.bfloat16)  # noqa: E731
     onednn = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)  # noqa: E731
-    kernels = {  # name: (step weights, head weight, kernel)
-        "qlinear int4": ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run),
-        "qlinear int8": ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run),
+    kernels = {}  # name: (step weights, head weight, kernel)
+    if cpu_kernels.ops(torch.device("cpu")) is not None and cpu_kernels.ops(torch.device("cpu")).qlinear_fast():
+        kernels["qlinear int4"] = ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run)
+        kernels["qlinear int8"] = ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run)
+    else:
+        print("qlinear's AVX512-BF16 path is not built on this machine: timing the other kernels only")
+    kernels |= {
         "torch int4": ([[pack_int4(q) for q in layer] for layer in int4], pack_int4(head4), run),
         "torch int8 (two int4 planes)": ([[pack_int4(q) for q in layer] for layer in int8], pack_int4(head8), run),
         "bfloat16 oneDNN": ([[onednn(w) for w in layer] for layer in dense], onednn(head),

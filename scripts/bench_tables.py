@@ -122,11 +122,11 @@ def step_table(d: dict) -> str:
 
 def kernels_table(d: dict) -> str:
     cols = {"qlinear int4": "`qlinear` int4", "torch int4": "torch int4", "bfloat16 oneDNN": "oneDNN bfloat16",
-            "qlinear int8 LM head": "LM head (Q8_0): `qlinear` int8",
-            "torch int8 (two int4 planes) LM head": "LM head: torch, two int4 planes"}
+            "qlinear int8 LM head": "LM head, int8: `qlinear`",
+            "torch int8 (two int4 planes) LM head": "LM head, int8: torch, two int4 planes"}
     rows = ["| rows | " + " | ".join(cols.values()) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
     for n, r in d["table"].items():
-        cells = [f"{r[k]:.2f}" if "head" in k else f"{r[k]:.1f}" for k in cols]
+        cells = [(f"{r[k]:.2f}" if "head" in k else f"{r[k]:.1f}") if k in r else "n/a" for k in cols]
         rows.append(f"| {n} | " + " | ".join(cells) + " |")
     head = "All 121 linears of one step, and the LM head, per row count; the kernels take turns (ms, median)."
     return "\n".join([head, "", *rows, "", _source(d)])

@@ -19,11 +19,13 @@ from worker.model_files import GGUF_NAME, ModelLoadError, resolve_model
 from worker.protocol import ForwardPlan
 from worker.quant import (
     GGUF_SUPPORTED,
+    Int4Weight,
     QBlocks,
     QTensor,
     cat_rows,
     gguf_blocks,
     int4_linear,
+    pack,
     pack_blocks,
     pack_int4,
     quantize_rtn,
@@ -133,6 +135,17 @@ def test_qlinear_layout_keeps_every_code(bits):
     back = pack_blocks(qt, torch.bfloat16).qtensor()
     assert back.bits == bits and torch.equal(back.q, qt.q)
     assert torch.equal(back.scale, qt.scale.half().float()) and torch.equal(back.offset, qt.offset.half().float())
+
+
+def test_pack_keeps_scales_float16_cannot_hold_on_torchs_kernel():
+    """Scales below float16's normal range would lose precision in qlinear's layout: such a weight takes torch's
+    kernel (bfloat16 scales, float32's range); ordinary weights take qlinear where its fast path is built."""
+    ops = cpu_kernels.ops(torch.device("cpu"))
+    if ops is None or not ops.qlinear_fast():
+        pytest.skip("qlinear's AVX512-BF16 path is not built here")
+    w = torch.randn(32, 64)
+    assert isinstance(pack(quantize_rtn(w, 4)), QBlocks)
+    assert isinstance(pack(quantize_rtn(w * 1e-7, 4)), Int4Weight)
 
 
 def test_qlinear_refuses_a_mismatched_layout():

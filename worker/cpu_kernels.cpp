@@ -401,10 +401,16 @@ inline void bf16_pairs(const uint8_t* c, int p, __m512i lut, __m512i& a, __m512i
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
+inline int32_t input_pair(const c10::BFloat16* x) {  // inputs x[0], x[1] as one 32-bit word (x[0] in the low half)
+  int32_t w;
+  std::memcpy(&w, x, sizeof w);
+  return w;
+}
+
 // Rows r0.. r0 + R of one block of 16 outputs: per group, two dot-product chains per row (the pairs 4p, 4p + 1 and
 // 4p + 2, 4p + 3), then the group's scale and offset. (Measured: more chains, or two blocks at once, were slower.)
 template <int BITS, int R>
-inline void qlinear_block(const uint32_t* xw, const float* xsum, int64_t k, const uint8_t* codes, const at::Half* sz,
+inline void qlinear_block(const c10::BFloat16* x, const float* xsum, int64_t k, const uint8_t* codes, const at::Half* sz,
                           int64_t blk, float* y, int64_t n, __m512i lut) {
   const int64_t groups = k / QGROUP, gbytes = QGROUP * QBLOCK * BITS / 8;
   __m512 acc[R];
@@ -417,9 +423,9 @@ inline void qlinear_block(const uint32_t* xw, const float* xsum, int64_t k, cons
       __m512i a, b;
       bf16_pairs<BITS>(c, p, lut, a, b);
       for (int r = 0; r < R; ++r) {
-        const uint32_t* xr = xw + (r * k + g * QGROUP) / 2 + 2 * p;
-        ca[r] = _mm512_dpbf16_ps(ca[r], as_bh(a), as_bh(_mm512_set1_epi32(static_cast<int>(xr[0]))));
-        cb[r] = _mm512_dpbf16_ps(cb[r], as_bh(b), as_bh(_mm512_set1_epi32(static_cast<int>(xr[1]))));
+        const c10::BFloat16* xr = x + r * k + g * QGROUP + 4 * p;
+        ca[r] = _mm512_dpbf16_ps(ca[r], as_bh(a), as_bh(_mm512_set1_epi32(input_pair(xr))));
+        cb[r] = _mm512_dpbf16_ps(cb[r], as_bh(b), as_bh(_mm512_set1_epi32(input_pair(xr + 2))));
       }
     }
     const at::Half* s = sz + (blk * groups + g) * 2 * QBLOCK;
@@ -442,8 +448,7 @@ void qlinear_rows(const c10::BFloat16* x, const float* xsum, int64_t k, const ui
                                        0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150,
                                        0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
                                        0x4000, 0x3f80, 0x0000);  // bfloat16 of 0..15, twice
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(x);  // a row's input pairs as 32-bit words
-  for (int64_t blk = b0; blk < b1; ++blk) qlinear_block<BITS, R>(xw, xsum, k, codes, sz, blk, y, n, lut);
+  for (int64_t blk = b0; blk < b1; ++blk) qlinear_block<BITS, R>(x, xsum, k, codes, sz, blk, y, n, lut);
 }
 
 template <int BITS>
@@ -474,6 +479,8 @@ void qlinear_avx512(const c10::BFloat16* x, const float* xsum, int64_t m, int64_
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_offset, int64_t bits,
                       int64_t out_features, bool generic) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scale_offset.device().is_cpu(),
+              "qlinear runs on CPU tensors");
   TORCH_CHECK(bits == 4 || bits == 8, "codes are 4 or 8 bits");
   TORCH_CHECK(scale_offset.scalar_type() == at::kHalf && scale_offset.is_contiguous() && scale_offset.dim() == 4 &&
                   scale_offset.size(2) == 2 && scale_offset.size(3) == QBLOCK,
@@ -487,7 +494,17 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
               "codes must be contiguous bytes, blocks x 16 x in_features x bits / 8");
   auto xc = x.contiguous();
   auto xf = xc.to(at::kFloat);
-  auto xsum = xf.view({m, groups, QGROUP}).sum(-1).contiguous();  // each row's group sums, for the offsets
+  // each row's group sums, for the offsets, in one fixed order (a row's bits must not depend on m)
+  auto xsum = torch::empty({m, groups}, xf.options());
+  {
+    const float* xp = xf.data_ptr<float>();
+    float* sp = xsum.data_ptr<float>();
+    for (int64_t i = 0; i < m * groups; ++i) {
+      float total = 0.0f;
+      for (int j = 0; j < QGROUP; ++j) total += xp[i * QGROUP + j];
+      sp[i] = total;
+    }
+  }
   auto y = torch::empty({m, out_features}, xf.options());
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* sp = scale_offset.data_ptr<at::Half>();

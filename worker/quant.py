@@ -203,11 +203,19 @@ def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> QBlocks | Int4Weig
     """Our kernel's layout where its AVX512-BF16 path is built and applies (bfloat16 activations, scales within
     float16's range), else torch's int4 kernel's (its portable path is for tests and odd shapes, not for serving)."""
     kernels = cpu_kernels.ops(torch.device("cpu"))
-    fp16_max = torch.finfo(torch.float16).max
-    if (dtype == torch.bfloat16 and kernels is not None and kernels.qlinear_fast()
-            and max(qt.scale.abs().max().item(), qt.offset.abs().max().item()) <= fp16_max):
+    if dtype == torch.bfloat16 and kernels is not None and kernels.qlinear_fast() and _fp16_exact_enough(qt):
         return pack_blocks(qt, dtype)
     return pack_int4(qt, dtype)
+
+
+def _fp16_exact_enough(qt: QTensor) -> bool:
+    """float16 keeps GGUF's scales exactly and a float32 scale to 2^-11; a scale out of its range (or subnormal
+    there) would lose more than torch's bfloat16 scales do, so such a weight takes torch's kernel."""
+    for t in (qt.scale, qt.offset):
+        err = (t.half().float() - t).abs()
+        if bool((err > t.abs() * 2.0**-10).any()):
+            return False
+    return True
 
 
 def pack_int4(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
