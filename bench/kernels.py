@@ -57,7 +57,8 @@ def main() -> None:
     blocks = lambda qt: pack_blocks(qt, torch.bfloat16)  # noqa: E731
     onednn = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)  # noqa: E731
     kernels = {}  # name: (step weights, head weight, kernel)
-    if cpu_kernels.ops(torch.device("cpu")) is not None and cpu_kernels.ops(torch.device("cpu")).qlinear_fast():
+    ops = cpu_kernels.ops(torch.device("cpu"))
+    if ops is not None and ops.qlinear_fast():
         kernels["qlinear int4"] = ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run)
         kernels["qlinear int8"] = ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run)
     else:

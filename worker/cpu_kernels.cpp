@@ -340,8 +340,9 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
 // Groupwise-quantized linear, y[M, N] = x[M, K] W^T, with w = q * scale + offset per group of 32 inputs. The layout
 // puts 16 outputs in the 16 lanes of a register: per block of 16 outputs and group of 32 inputs, the codes of each
 // pair of inputs (k, k+1) for the 16 outputs are 32 values in lane order (lane i holds output i's pair), and scale and
-// offset are 16 float16 each (GGUF's own scale type). 4 bits: 256 bytes per block and group, bytes [32p, 32p + 32) hold pair 2p in their low
-// nibbles and pair 2p + 1 in their high ones; 8 bits: 512 int8, pair t at [32t, 32t + 32). The codes become exact
+// offset are 16 float16 each (GGUF's own scale type). 4 bits: 256 bytes per block and group, bytes [32p, 32p + 32)
+// hold pair 2p in their low nibbles and pair 2p + 1 in their high ones; 8 bits: 512 int8, pair t at [32t, 32t + 32).
+// The codes become exact
 // bfloat16 in registers and one AVX512-BF16 dot product takes a pair for 16 outputs (32 products, exact in float32)
 // per row, so a verify row costs 1/32 of an instruction per weight where torch's int4 kernel dequantizes per row.
 // Each row's sums run in one fixed order whatever rows run beside it, so a token verified in a tree gets the bits it
@@ -493,19 +494,19 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
                   codes.numel() == blocks * QBLOCK * k * bits / 8,
               "codes must be contiguous bytes, blocks x 16 x in_features x bits / 8");
   auto xc = x.contiguous();
-  auto xf = xc.to(at::kFloat);
+  auto fopts = xc.options().dtype(at::kFloat);
   // each row's group sums, for the offsets, in one fixed order (a row's bits must not depend on m)
-  auto xsum = torch::empty({m, groups}, xf.options());
-  {
-    const float* xp = xf.data_ptr<float>();
+  auto xsum = torch::empty({m, groups}, fopts);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "qlinear_xsum", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
     float* sp = xsum.data_ptr<float>();
     for (int64_t i = 0; i < m * groups; ++i) {
       float total = 0.0f;
-      for (int j = 0; j < QGROUP; ++j) total += xp[i * QGROUP + j];
+      for (int j = 0; j < QGROUP; ++j) total += to_f(xp[i * QGROUP + j]);
       sp[i] = total;
     }
-  }
-  auto y = torch::empty({m, out_features}, xf.options());
+  });
+  auto y = torch::empty({m, out_features}, fopts);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* sp = scale_offset.data_ptr<at::Half>();
   const float* xsp = xsum.data_ptr<float>();
@@ -514,6 +515,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   fast = !generic && xc.scalar_type() == at::kBFloat16;
 #endif
+  auto xf = fast ? xc : xc.to(at::kFloat);  // the portable path reads float32
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (fast) {

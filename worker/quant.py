@@ -240,12 +240,10 @@ def int4_linear(x: torch.Tensor, w: QBlocks | Int4Weight, bias: torch.Tensor | N
     x2 = x.reshape(-1, shape[-1])
     if isinstance(w, QBlocks):
         y = w.kernel(x2, w.codes, w.scale_offset, w.bits, w.out_features, False)
-        if bias is not None:
-            y = y + bias
-        return y.view(*shape[:-1], w.out_features)
-    if w.planes == 2:
-        x2 = torch.cat([x2, x2], dim=-1)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, GROUP, w.scale_zero)
+    else:
+        if w.planes == 2:
+            x2 = torch.cat([x2, x2], dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.packed, GROUP, w.scale_zero)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], w.out_features)
