@@ -94,3 +94,30 @@ def test_unpacked_int4_linears_compute_what_the_kernel_computes():
     assert unpack_quantized_linears(mod) == 1 and mod.qweight is None
     got = linear(x, mod).float()
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2) and not torch.equal(mod.weight.float(), torch.zeros(96, 64))
+
+
+def test_runner_distillation_answers_as_the_engine_does(smol_engine):
+    """training/distill_runner.py (the GPU's self-distillation: a continuous batch straight through the model runner)
+    gives the engine's greedy answers: rows refilled as others finish, EOS kept, max_new_tokens respected."""
+    import torch
+
+    from training.distill_runner import greedy_answers
+    from worker.dist import single_rank_group
+    from worker.model_files import resolve_model
+    from worker.runner import ModelRunner
+
+    texts = ["Say hi.", "Count from one to twenty in words.", "Name a colour.", "What is 2+2? Answer briefly.",
+             "Write one sentence about the sea.", "List three animals."]
+    prompts = [smol_engine.encode(smol_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)) for t in texts]
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
+    assert any(len(r) < 24 for r in ref) and any(len(r) == 24 for r in ref)  # both ways of finishing occur
+    runner = ModelRunner(EngineConfig(dtype="float32", enforce_eager=True, max_total_tokens=512),
+                         resolve_model("smollm2-135m-instruct"), single_rank_group(torch.device("cpu")))
+    seen = []
+    with torch.inference_mode():  # 3 rows at once and 512 cache slots: later prompts wait for finished rows' blocks
+        got = greedy_answers(runner, list(enumerate(prompts)), 24, tuple(runner.model_cfg.eos_token_ids), 3,
+                             on_done=lambda i, a: seen.append(i))
+    assert [got[i] for i in range(len(prompts))] == ref
+    assert sorted(seen) == list(range(len(prompts)))

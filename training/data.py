@@ -79,12 +79,18 @@ def sharegpt_prompts(limit: int, seed: int = 0, max_chars: int = 600) -> list[st
 def sharegpt_first_turns() -> list[str]:
     """The first human turn of every complete ShareGPT record, in file order ("" when it has none): the index into
     this list is the stable key of a distilled answer (training/distill.py)."""
+    return sharegpt_human_turns(1)
+
+
+def sharegpt_human_turns(turn: int) -> list[str]:
+    """The turn-th human message (1: the first) of every complete ShareGPT record, in file order; "" where the
+    record does not alternate human/gpt from its start up to that message."""
     text = _fetch_sharegpt().read_text(encoding="utf-8", errors="ignore")
     out = []
     for conv in iter_complete_json_array(text):
-        turns = conv.get("conversations") or []
-        first = turns[0] if turns else {}
-        out.append((first.get("value") or "").strip() if first.get("from") == "human" else "")
+        turns = (conv.get("conversations") or [])[: 2 * turn - 1]
+        ok = len(turns) == 2 * turn - 1 and all(t.get("from") == ("human", "gpt")[k % 2] for k, t in enumerate(turns))
+        out.append((turns[-1].get("value") or "").strip() if ok else "")
     return out
 
 

@@ -25,6 +25,9 @@ from .data import SHAREGPT_VERSION, sharegpt_first_turns
 from .train_data import chat_ids
 
 DISTILLED = Path(__file__).parent / "distilled"
+# answers decoded on a GPU by training/distill_runner.py (scripts/device-train.sh): same prompts and settings, dense
+# bfloat16 weights (the GGUF's values), so they are kept apart, with their own MANIFEST.json
+DISTILLED_GPU = Path(__file__).parent / "distilled-gpu"
 SHARD_LINES = 2000  # answers per gzip shard (a few hundred KB each)
 
 
@@ -38,16 +41,23 @@ def manifest(args) -> dict:
             "chat_template": "the model's own, add_generation_prompt"}
 
 
-def read_answers(folder: Path = DISTILLED) -> dict[int, list[int]]:
-    """Every committed answer, by conversation index."""
+def read_answers(folder: Path = DISTILLED, turn: int = 1) -> dict[int, list[int]]:
+    """Every committed answer to a conversation's turn-th human message, by conversation index (records without a
+    "turn" field answer the first)."""
     out: dict[int, list[int]] = {}
     for shard in sorted(folder.glob("answers-*.jsonl.gz")):
         with gzip.open(shard, "rt") as f:
             for line in f:
                 if line.strip():
                     rec = json.loads(line)
-                    out[rec["i"]] = rec["ids"]
+                    if rec.get("turn", 1) == turn:
+                        out[rec["i"]] = rec["ids"]
     return out
+
+
+def read_all_answers(turn: int = 1) -> dict[int, list[int]]:
+    """The CPU engine's answers, and the GPU's for the conversations it has not answered."""
+    return read_answers(DISTILLED_GPU, turn) | read_answers(DISTILLED, turn)
 
 
 def _append(folder: Path, records: list[dict]) -> None:
@@ -90,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{mpath} was written with other settings; use another --out:\n{settings}\n{meta}")
     done = read_answers(out)
     prompts = sharegpt_first_turns()
-    todo = [i for i in range(len(prompts)) if i not in done]
+    answered = done | (read_answers(DISTILLED_GPU) if out.resolve() == DISTILLED.resolve() else {})
+    todo = [i for i in range(len(prompts)) if i not in answered]
     if args.limit:
         todo = todo[: max(0, args.limit - len(done))]
     print(f"{len(done)} answers present, {len(todo)} to go", flush=True)

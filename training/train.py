@@ -62,13 +62,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
     p.add_argument("--checkpoint-every", type=int, default=100,
                    help="steps between checkpoints; each also logs the held-out accept length to curve.json")
-    p.add_argument("--examples", default=None,
-                   help="train on token ids saved by --export-examples instead of building examples here")
+    p.add_argument("--examples", nargs="+", default=None,
+                   help="train on token ids saved by --export-examples (one file or several, joined) instead of "
+                        "building examples here")
     p.add_argument("--export-examples", default=None,
                    help="save the examples (token ids and assistant spans, no text) to this file and stop")
     p.add_argument("--bf16-autocast", action="store_true",
                    help="matmuls in bfloat16 under autocast (weights and optimizer stay float32): 1.35x faster steps "
                         "on this AVX512-BF16 CPU, measured side by side")
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="stop training after this long and save the head (0: no limit): a device run's time box")
+    p.add_argument("--record-tokens", type=int, default=0,
+                   help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else one "
+                        "sequence at a time)")
+    p.add_argument("--no-data-cache", action="store_true",
+                   help="keep the recorded features in memory only (no out/data.pt: tens of GB for 10K answers)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where features are recorded and the head trains (auto: cuda when present)")
     args = p.parse_args(argv)
@@ -200,8 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    t0 = time.time()
+
+    def progress(s: int) -> float:
+        """How far through training: by steps, or by the time box when that is further along (its cosine then
+        still ends at zero)."""
+        done = min(s, total_steps) / total_steps
+        return min(1.0, max(done, (time.time() - t0) / args.max_seconds)) if args.max_seconds else done
+
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * progress(s))))
     step, log = 0, []
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
@@ -214,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     start = evaluate(model, data, held, vocab_index, args)
     print(f"before training: held-out expected accept length {start['heldout_tau']:.3f}")
     bar = tqdm(total=total_steps, initial=step, desc="training", unit="step")
-    t0 = time.time()
+    t0 = time.time()  # the time box counts training only, not the evaluation above
     while step < total_steps:
         for batch in batches(data, train, args.batch_size, True, rng, args.device):
             with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16_autocast):
@@ -234,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 log_curve(out, step, evaluate(model, data, held, vocab_index, args)["heldout_tau"], time.time() - t0)
                 # every checkpoint servable, so bench/spec_curve.py can measure accept length and speed along the way
                 export_head(model, cfg, draft_vocab, out / "heads" / f"step-{step:05d}", {"steps": step})
-            if step >= total_steps:
+            if step >= total_steps or (args.max_seconds and time.time() - t0 > args.max_seconds):
                 break
+        if args.max_seconds and time.time() - t0 > args.max_seconds:
+            print(f"time box: stopped after {step} of {total_steps} steps")
+            break
     bar.close()
     final = evaluate(model, data, held, vocab_index, args)
     print(f"after {step} steps: held-out expected accept length {final['heldout_tau']:.3f}")
@@ -286,7 +305,7 @@ def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
         cmd += f" --init-from {args.init_from}"
     cmd += "".join(f" --{flag.replace('_', '-')}" for flag in ("distilled", "bf16_autocast") if getattr(args, flag))
     if args.examples:
-        cmd += f" --examples {Path(args.examples).name}"
+        cmd += " --examples " + " ".join(Path(e).name for e in args.examples)
     (out / "README.md").write_text(f"""# EAGLE head for {args.model_path}
 
 {layout} the {len(draft_vocab)} most frequent target choices in the training data (FR-Spec;

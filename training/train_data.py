@@ -55,20 +55,50 @@ def generate_answers(args, out: Path) -> list[Example]:
     return examples
 
 
+def answer_example(prompt: list[int], answer: list[int], max_len: int) -> Example:
+    """Prompt + answer as one example of at most max_len tokens. A long prompt loses its beginning (the draft learns
+    from the answer and what just precedes it); an answer that would leave under 64 prompt tokens (a quarter of
+    max_len, if less) loses its end."""
+    answer = answer[: max_len - min(len(prompt), 64, max_len // 4)]
+    prompt = prompt[len(prompt) - min(len(prompt), max_len - len(answer)) :]
+    return prompt + answer, [(len(prompt), len(prompt) + len(answer))]
+
+
+def distilled_prompts(tok, wanted: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """Chat-templated ids of ShareGPT human turns, by (conversation index, turn): turn 1 alone; turn 2 after turn 1
+    and the target's own distilled answer to it (the context it would have served). [] where the text is missing."""
+    from .data import sharegpt_human_turns
+    from .distill import read_all_answers
+
+    turns = {t: sharegpt_human_turns(t) for t in sorted({t for _, t in wanted})}
+    first = turns.get(1) or sharegpt_human_turns(1)
+    answers = read_all_answers(1) if any(t == 2 for _, t in wanted) else {}
+    out = {}
+    for i, t in wanted:
+        if t == 1:
+            msgs = [{"role": "user", "content": first[i]}] if first[i] else []
+        elif t == 2 and first[i] and turns[2][i] and answers.get(i):
+            msgs = [{"role": "user", "content": first[i]},
+                    {"role": "assistant", "content": tok.decode(answers[i], skip_special_tokens=True).strip()},
+                    {"role": "user", "content": turns[2][i]}]
+        else:
+            msgs = []
+        out[(i, t)] = chat_ids(tok, msgs, True) if msgs else []
+    return out
+
+
 def distilled_examples(args) -> list[Example]:
-    """The committed answers of `eaglegate distill`, each after its ShareGPT prompt rendered with the chat template."""
+    """The committed answers of `eaglegate distill` and of the GPU (training/distilled*/), first and second turns,
+    each after its ShareGPT prompt rendered with the chat template."""
     from worker.tokenizer import load_tokenizer
 
-    from .data import sharegpt_first_turns
-    from .distill import read_answers
+    from .distill import read_all_answers
 
     tok = load_tokenizer(resolve_model(args.model_path))
-    prompts = sharegpt_first_turns()
-    examples = []
-    for i, answer in tqdm(sorted(read_answers().items()), desc="distilled answers", unit="answer"):
-        if answer:
-            p = chat_ids(tok, [{"role": "user", "content": prompts[i]}], True)
-            examples.append(((p + answer)[: args.max_len], [(len(p), min(len(p) + len(answer), args.max_len))]))
+    answers = {(i, t): a for t in (1, 2) for i, a in read_all_answers(t).items() if a}
+    prompts = distilled_prompts(tok, sorted(answers))
+    examples = [answer_example(prompts[key], answers[key], args.max_len)
+                for key in tqdm(sorted(answers), desc="distilled answers", unit="answer") if prompts[key]]
     return [e for e in examples if e[1][0][0] < e[1][0][1]]
 
 
@@ -92,8 +122,10 @@ def conversation_example(tok, messages: list[dict], max_len: int) -> Example:
 def build_examples(args, out: Path) -> tuple[list[Example], int]:
     """(examples, how many are self-distilled answers): from --examples, or answers plus ShareGPT conversations."""
     if getattr(args, "examples", None):
-        saved = torch.load(args.examples, weights_only=False)
-        return [(ids.tolist(), spans) for ids, spans in saved["examples"]], saved["answers"]
+        files = [args.examples] if isinstance(args.examples, str) else args.examples
+        saved = [torch.load(f, weights_only=False) for f in files]
+        return ([(ids.tolist(), spans) for s in saved for ids, spans in s["examples"]],
+                sum(s["answers"] for s in saved))
     examples = generate_answers(args, out)
     num_answers = len(examples)
     if args.conversations:
@@ -115,33 +147,66 @@ def export_examples(args, out: Path, path: Path) -> None:
 
 
 def collect(args, out: Path) -> dict:
-    """Examples -> one teacher-forced target pass. Cached in out/data.pt."""
+    """Examples -> one teacher-forced target pass. Cached in out/data.pt (unless --no-data-cache)."""
     cache = out / "data.pt"
     if cache.exists():
         return torch.load(cache, weights_only=False)
     source = resolve_model(args.model_path)
     examples, num_answers = build_examples(args, out)
+    device = torch.device(getattr(args, "device", "cpu"))
+    # several sequences per forward on a GPU (one each is launch-bound there); one at a time on the CPU
+    budget = getattr(args, "record_tokens", 0) or (8192 if device.type == "cuda" else args.max_len)
+    budget = max(budget, args.max_len)
     # eager: one pass over sequences of every length gains nothing from capturing graphs
-    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=args.max_len + 16,
-                          enforce_eager=True)
-    runner = ModelRunner(config, source, single_rank_group(torch.device(getattr(args, "device", "cpu"))))
+    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, attention_backend="torch",
+                          max_total_tokens=2 * budget + 64, enforce_eager=True)  # partial blocks
+    runner = ModelRunner(config, source, single_rank_group(device))
     unpack_quantized_linears(runner.model)  # the served int4 weights at dense speed: ~2x faster at 512 rows
-    blocks = list(range(runner.num_blocks))
     if args.kind == "eagle3":  # EAGLE-3 reads the low, middle and high layers' residual streams instead
         runner.model.aux_layers = set(default_aux_layers(runner.model_cfg.num_layers))
     data: dict = {"seqs": [], "feats": [], "labels": [], "masks": [], "answers": num_answers,
                   "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
-    for ids, spans in tqdm(examples, desc="recording features", unit="seq"):
-        plan = ForwardPlan(0, ids, [(0, len(ids), blocks)], list(range(len(ids))))
+    bar = tqdm(total=len(examples), desc="recording features", unit="seq")
+    for group in _token_groups(examples, budget):
+        plan, free = ForwardPlan(0), 0
+        for ids, _ in group:
+            n = -(-len(ids) // runner.block_size)
+            plan.seqs.append((0, len(ids), list(range(free, free + n))))
+            plan.input_ids += ids
+            free += n
+        plan.sample_rows = list(range(len(plan.input_ids)))
         with torch.inference_mode():
             logits, hidden, aux = runner.forward(plan)
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        for a, b in spans:
-            mask[max(a - 1, 0) : b - 1] = True  # position t predicts token t + 1
-        data["seqs"].append(ids)
-        feats = torch.cat(aux, dim=-1) if args.kind == "eagle3" else hidden
-        data["feats"].append(feats.to(torch.bfloat16).cpu().clone())
-        data["labels"].append(logits.argmax(-1).to(torch.int32).cpu())
-        data["masks"].append(mask)
-    torch.save(data, cache)
+            feats = torch.cat(aux, dim=-1) if args.kind == "eagle3" else hidden
+            labels = logits.argmax(-1).to(torch.int32).cpu()
+            feats = feats.to(torch.bfloat16).cpu()
+        start = 0
+        for ids, spans in group:
+            end = start + len(ids)
+            mask = torch.zeros(len(ids), dtype=torch.bool)
+            for a, b in spans:
+                mask[max(a - 1, 0) : b - 1] = True  # position t predicts token t + 1
+            data["seqs"].append(ids)
+            data["feats"].append(feats[start:end].clone())
+            data["labels"].append(labels[start:end].clone())
+            data["masks"].append(mask)
+            start = end
+        bar.update(len(group))
+    bar.close()
+    if not getattr(args, "no_data_cache", False):
+        torch.save(data, cache)
     return data
+
+
+def _token_groups(examples: list[Example], budget: int):
+    """Consecutive examples, at most `budget` tokens per group (at least one example each)."""
+    group: list[Example] = []
+    tokens = 0
+    for ex in examples:
+        if group and tokens + len(ex[0]) > budget:
+            yield group
+            group, tokens = [], 0
+        group.append(ex)
+        tokens += len(ex[0])
+    if group:
+        yield group
