@@ -185,6 +185,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=None,
                     help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
     ap.add_argument("--concurrency", default="4,16")
+    ap.add_argument("--concurrency-rounds", type=int, default=2, help="plain-EAGLE-EAGLE-plain rounds per level")
     ap.add_argument("--disable-batch-size", type=int, default=None,
                     help="decode batches this large run plain steps (--speculative-disable-batch-size; default: "
                          "the served default)")
@@ -228,14 +229,16 @@ def main() -> None:
                       f"{src['spec_verify_steps']}", flush=True)
                 if (steps, topk, ndt) == settings[0] and variant == "default":
                     for c in [int(x) for x in args.concurrency.split(",") if x]:
-                        # plain, EAGLE, EAGLE, plain: the machine drifts within a run, and order alone moved a
-                        # single pair by 15% here
-                        p1, s1 = concurrent(plain, prompts, args.max_tokens, c), concurrent(spec, prompts,
-                                                                                          args.max_tokens, c)
-                        s2, p2 = concurrent(spec, prompts, args.max_tokens, c), concurrent(plain, prompts,
-                                                                                          args.max_tokens, c)
-                        p_tps, s_tps = (p1 + p2) / 2, (s1 + s2) / 2
-                        results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps}
+                        # plain, EAGLE, EAGLE, plain, twice: the machine drifts within a run, and order alone
+                        # moved a single pair by 15% here
+                        runs_p, runs_s = [], []
+                        for _ in range(args.concurrency_rounds):
+                            runs_p.append(concurrent(plain, prompts, args.max_tokens, c))
+                            runs_s += [concurrent(spec, prompts, args.max_tokens, c) for _ in range(2)]
+                            runs_p.append(concurrent(plain, prompts, args.max_tokens, c))
+                        p_tps, s_tps = sum(runs_p) / len(runs_p), sum(runs_s) / len(runs_s)
+                        results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps,
+                                                          "plain_runs": runs_p, "spec_runs": runs_s}
                         print(f"concurrency {c}: plain {p_tps:.1f} tok/s  EAGLE {s_tps:.1f} tok/s  "
                               f"({s_tps / p_tps:.2f}x)", flush=True)
     if args.identity_check:

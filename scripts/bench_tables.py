@@ -132,7 +132,27 @@ def kernels_table(d: dict) -> str:
     return "\n".join([head, "", *rows, "", _source(d)])
 
 
-TABLES = {"kernels": kernels_table, "spec": spec_table, "quant": quant_table, "prefix": prefix_table,
+def gpu_table(d: dict) -> str:
+    conc = [str(c) for c in d["concurrency"]]
+    rows = ["| model | mode | engine | " + " | ".join(f"tok/s at {c}" for c in conc)
+            + " | identical to plain at " + " / ".join(conc) + " | τ |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in conc) + " | --- | --- |"]
+    for model, modes in d.items():
+        if not isinstance(modes, dict) or not all(isinstance(v, dict) and "plain" in v for v in modes.values()):
+            continue
+        for mode, engines in modes.items():
+            for engine, r in engines.items():
+                same = " / ".join(f"{r['identical'][c]}" for c in conc) if "identical" in r else ""
+                tau = f"{r['tau']:.2f}" if "tau" in r else ""
+                rows.append(f"| {model} | {mode} | {engine} | " + " | ".join(f"{r[c]['tok_s']:.0f}" for c in conc)
+                            + f" | {same} | {tau} |")
+    missing = [f"{k}: {v}." for k, v in d.items() if isinstance(v, str) and v.startswith("not measured")]
+    head = (f"`bench/gpu.py` on {d['device']}: {d['max_tokens']} new tokens per request, greedy, bfloat16; eager "
+            "against captured graphs, plain against EAGLE (a draft tree on the GPU).")
+    return "\n".join([head, "", *rows, "", *missing, *([""] if missing else []), _source(d)])
+
+
+TABLES = {"gpu": gpu_table, "kernels": kernels_table, "spec": spec_table, "quant": quant_table, "prefix": prefix_table,
           "step": step_table}
 
 

@@ -121,3 +121,22 @@ def test_runner_distillation_answers_as_the_engine_does(smol_engine):
                              on_done=lambda i, a: seen.append(i))
     assert [got[i] for i in range(len(prompts))] == ref
     assert sorted(seen) == list(range(len(prompts)))
+
+
+def test_answer_examples_keep_the_answer_and_the_end_of_a_long_prompt(tmp_path):
+    """A distilled answer after a long prompt (GPU prompts reach 1,024 tokens) keeps the whole answer and the prompt's
+    end; second-turn answers are read apart from first-turn ones."""
+    import gzip
+
+    from training.distill import read_answers
+    from training.train_data import answer_example
+
+    prompt, answer = list(range(600)), list(range(1000, 1100))
+    ids, spans = answer_example(prompt, answer, 512)
+    assert len(ids) == 512 and ids[-100:] == answer and ids[:412] == prompt[-412:] and spans == [(412, 512)]
+    ids, spans = answer_example(prompt[:100], list(range(1000, 1600)), 512)  # a long answer keeps 64 prompt tokens
+    assert ids[:64] == prompt[36:100] and spans == [(64, 512)]
+    assert answer_example([1, 2], [3, 4], 512) == ([1, 2, 3, 4], [(2, 4)])
+    with gzip.open(tmp_path / "answers-000.jsonl.gz", "wt") as f:
+        f.write('{"i":5,"ids":[1,2]}\n{"i":5,"turn":2,"ids":[3]}\n{"i":6,"ids":[]}\n')
+    assert read_answers(tmp_path) == {5: [1, 2], 6: []} and read_answers(tmp_path, 2) == {5: [3]}
