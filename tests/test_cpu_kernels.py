@@ -41,30 +41,34 @@ def test_silu_mul_matches_float32(dtype):
     assert torch.allclose(K.silu_mul(gate_up).float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # bfloat16 models cache bfloat16
 @pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary
-def test_rope_write_cache_matches_eager_rotary(rot):
+def test_rope_write_cache_matches_eager_rotary(rot, cache_dtype):
     h, hkv, d, n = 9, 3, 64, 4
     g = _gen()
     qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g).bfloat16()
     q, k, v = (qkv[:, : h * d].view(n, h, d), qkv[:, h * d : (h + hkv) * d].view(n, hkv, d),
                qkv[:, (h + hkv) * d :].view(n, hkv, d))
     cos, sin = RotaryEmbedding(rot, 1024, 10000.0, {}).table(torch.tensor([0, 7, 300, 1000]), torch.float32)
-    k_cache, v_cache = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    k_cache, v_cache = torch.zeros(64, hkv, d, dtype=cache_dtype), torch.zeros(64, hkv, d, dtype=cache_dtype)
     slots = torch.tensor([3, 17, 40, 63])
     q_rot = K.rope_write_cache(q, k, v, cos.view(n, -1), sin.view(n, -1), k_cache, v_cache, slots)
     ref = rope_rows(torch.cat([q, k], dim=1).float(), cos, sin)
     assert torch.allclose(q_rot, ref[:, :h], atol=1e-6)
-    assert torch.allclose(k_cache[slots], ref[:, h:], atol=1e-6)
-    assert torch.equal(v_cache[slots], v.float())
+    # rotated in float32, rounded once on the write
+    assert torch.allclose(k_cache[slots].float(), ref[:, h:].to(cache_dtype).float(), atol=1e-6)
+    assert torch.equal(v_cache[slots], v.to(cache_dtype))
     untouched = torch.ones(64, dtype=torch.bool).index_fill_(0, slots, False)
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 48])  # the AVX-512 head-64 path and the generic one
-def test_attend_rows_matches_softmax_attention_and_is_row_independent(d):
+def test_attend_rows_matches_softmax_attention_and_is_row_independent(d, cache_dtype):
     h, hkv, slots_total = 9, 3, 512
     g = _gen()
-    k_cache, v_cache = torch.randn(slots_total, hkv, d, generator=g), torch.randn(slots_total, hkv, d, generator=g)
+    k_cache = torch.randn(slots_total, hkv, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(slots_total, hkv, d, generator=g).to(cache_dtype)
     q = torch.randn(4, h, d, generator=g)
     # a decode row and three tree rows: shared context, then each row's own ancestors, in scattered slots
     context = list(range(100, 400))
@@ -76,9 +80,9 @@ def test_attend_rows_matches_softmax_attention_and_is_row_independent(d):
     counts = torch.tensor([len(ks) for ks in keys])
     scale = d**-0.5
     out = K.attend_rows(q, k_cache, v_cache, row_slots, counts, scale, torch.float32)
-    for r, ks in enumerate(keys):
-        kk = k_cache[ks].repeat_interleave(h // hkv, dim=1)  # [L, H, D]
-        vv = v_cache[ks].repeat_interleave(h // hkv, dim=1)
+    for r, ks in enumerate(keys):  # the reference reads the same cached values, in float32
+        kk = k_cache[ks].float().repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+        vv = v_cache[ks].float().repeat_interleave(h // hkv, dim=1)
         probs = (torch.einsum("hd,lhd->hl", q[r], kk) * scale).softmax(-1)
         assert torch.allclose(out[r], torch.einsum("hl,lhd->hd", probs, vv), atol=1e-5)
         alone = K.attend_rows(q[r : r + 1].contiguous(), k_cache, v_cache, row_slots[r : r + 1], counts[r : r + 1],
@@ -91,3 +95,12 @@ def test_attend_rows_refuses_bad_slots():
     with pytest.raises(RuntimeError, match="out of range"):
         K.attend_rows(torch.zeros(1, 1, 64), k_cache, k_cache, torch.tensor([[0, 99]]), torch.tensor([2]), 1.0,
                       torch.float32)
+
+
+def test_bfloat16_models_cache_bfloat16_where_the_fused_kernels_attend():
+    from worker.runner import kv_cache_dtype
+
+    cpu = torch.device("cpu")
+    assert kv_cache_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    assert kv_cache_dtype(torch.float32, cpu) == torch.float32  # the float32 reference stays exact
+    assert kv_cache_dtype(torch.bfloat16, cpu, "triton") == torch.float32  # the interpreter's path is unchanged

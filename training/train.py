@@ -134,7 +134,8 @@ def batches(data: dict, indices, batch_size, shuffle, rng, device: str = "cpu"):
         ids = torch.zeros(len(g), T, dtype=torch.long)
         labels = torch.zeros(len(g), T, dtype=torch.long)
         mask = torch.zeros(len(g), T, dtype=torch.bool)
-        f = torch.zeros(len(g), T, data["feats"][g[0]].shape[-1])
+        first = data["feats"][g[0]]
+        f = torch.zeros(len(g), T, first.shape[-1], device=first.device)  # where the features are kept
         for r, i in enumerate(g):
             n = len(seqs[i])
             ids[r, :n] = torch.tensor(seqs[i])

@@ -1,7 +1,8 @@
 """Paged KV cache and masked attention over a ragged batch.
 
-On CPU the cache (and the attention arithmetic) is float32 whatever the model dtype: the CPU's bfloat16
-SDPA kernel is 4-5x slower than float32 for decode, and float32 is also the more accurate choice.
+On CPU the attention arithmetic is float32 whatever the model dtype (the CPU's bfloat16 SDPA kernel is 4-5x slower
+than float32 for decode). The cache holds bfloat16 for bfloat16 models where the fused kernels run (the rotary is
+done in float32 and rounded once on the write; half the bytes to gather per step), float32 elsewhere.
 
 The seam where fused kernels would plug in: `attend(q, k, v, cache, meta)`. Short steps (decode, EAGLE tree
 verification) attend row by row over gathered keys; long chunks (prefill) run torch SDPA per sequence with a
@@ -222,8 +223,8 @@ def _attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if q_len <= ROW_WISE_MAX_Q:
             continue
         slots = meta.kv_slots[i, :kv_len]
-        kp = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
-        vp = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        kp = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
+        vp = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         qp = q[start : start + q_len].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask[i : i + 1, :, :q_len, :kv_len],
                                            scale=scale, enable_gqa=True)

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #endif
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -89,12 +90,13 @@ inline float lane_sum(const float* x, int64_t n) {
   return reduce_lanes(acc);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename C>
+inline float dot(const float* a, const C* b, int64_t n) {
   float acc[LANES] = {0};
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; ++j) acc[j] += a[i + j] * b[i + j];
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
+    for (int j = 0; j < LANES; ++j) acc[j] += a[i + j] * to_f(b[i + j]);
+  for (; i < n; ++i) acc[0] += a[i] * to_f(b[i]);
   return reduce_lanes(acc);
 }
 
@@ -116,23 +118,30 @@ void check_rows(const torch::Tensor& x, const char* name) {
 // gathered by slot, so the hardware prefetcher sees no stream: fetch the key (value) row this many ahead.
 constexpr int64_t kPrefetchKeys = 32;
 
-template <_mm_hint Hint = _MM_HINT_T0>
-inline void prefetch_row64(const float* row) {
-  for (int i = 0; i < 64; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), Hint);
+template <typename C>
+inline void prefetch_row64(const C* row) {  // one head's 64 cached values
+  for (size_t b = 0; b < 64 * sizeof(C); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
-inline void attend_head64(const float* q, const float* k0, const float* v0, int64_t stride, const int64_t* slots,
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper half: widen and shift, exactly
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename C>
+inline void attend_head64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots,
                           int64_t len, float scale, float* p, float* out) {
   __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
          q3 = _mm512_loadu_ps(q + 48);
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(k0 + slots[t] * stride);
   for (int64_t t = 0; t < len; ++t) {
-    const float* k = k0 + slots[t] * stride;
+    const C* k = k0 + slots[t] * stride;
     if (t + kPrefetchKeys < len) prefetch_row64(k0 + slots[t + kPrefetchKeys] * stride);
-    __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-    __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
-    a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
-    b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
+    __m512 a = _mm512_mul_ps(q0, load16(k));
+    __m512 b = _mm512_mul_ps(q1, load16(k + 16));
+    a = _mm512_fmadd_ps(q2, load16(k + 32), a);
+    b = _mm512_fmadd_ps(q3, load16(k + 48), b);
     p[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
   }
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(v0 + slots[t] * stride);  // under the softmax
@@ -142,13 +151,13 @@ inline void attend_head64(const float* q, const float* k0, const float* v0, int6
   float inv = 1.0f / lane_sum(p, len);
   __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   for (int64_t t = 0; t < len; ++t) {
-    const float* v = v0 + slots[t] * stride;
+    const C* v = v0 + slots[t] * stride;
     if (t + kPrefetchKeys < len) prefetch_row64(v0 + slots[t + kPrefetchKeys] * stride);
     __m512 pt = _mm512_set1_ps(p[t]);
-    o0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), o0);
-    o1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), o1);
-    o2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), o2);
-    o3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), o3);
+    o0 = _mm512_fmadd_ps(pt, load16(v), o0);
+    o1 = _mm512_fmadd_ps(pt, load16(v + 16), o1);
+    o2 = _mm512_fmadd_ps(pt, load16(v + 32), o2);
+    o3 = _mm512_fmadd_ps(pt, load16(v + 48), o3);
   }
   __m512 s = _mm512_set1_ps(inv);
   _mm512_storeu_ps(out, _mm512_mul_ps(o0, s));
@@ -159,6 +168,23 @@ inline void attend_head64(const float* q, const float* k0, const float* v0, int6
 #endif
 
 }  // namespace
+
+// The KV caches: contiguous [slots, kv_heads, head_dim], one shape, float32 or bfloat16 (both alike).
+void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  auto t = k_cache.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kBFloat16) && v_cache.scalar_type() == t && k_cache.dim() == 3 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous float32 or bfloat16 [slots, kv_heads, head_dim], of one shape and dtype");
+}
+
+// Calls f(k, v) with the caches' data as float* or c10::BFloat16*.
+template <typename F>
+void with_cache_type(torch::Tensor& k_cache, torch::Tensor& v_cache, F&& f) {
+  if (k_cache.scalar_type() == at::kBFloat16)
+    f(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  else
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+}
 
 // RMSNorm of each row of x [N, C]: float32 accumulation, one rounding to x's dtype.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -233,7 +259,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 // Neox rotary on q and k, in float32 from the float32 cos/sin rows [N, R] (R <= D: partial rotary turns the leading R
-// dims), then k and v written to the float32 caches [slots, Hkv, D] at slot_mapping. q, k, v: [N, heads, D] views
+// dims), then k and v written to the caches [slots, Hkv, D] (float32, or bfloat16 for bfloat16 models) at
+// slot_mapping. q, k, v: [N, heads, D] views
 // with contiguous heads (slices of the fused QKV output). Returns the rotated q, [N, H, D] float32.
 torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -246,17 +273,14 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
                   sin.is_contiguous() && cos.size(0) == n && sin.sizes() == cos.sizes() && rot <= d && rot % 2 == 0,
               "cos/sin must be contiguous float32 [rows, rot], rot even and at most head_dim");
   TORCH_CHECK(k.size(0) == n && v.size(0) == n && v.size(1) == hkv, "q, k, v row or head counts differ");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.size(1) == hkv && k_cache.size(2) == d,
-              "caches must be contiguous float32 [slots, kv_heads, head_dim]");
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(k_cache.size(1) == hkv && k_cache.size(2) == d, "caches must be [slots, kv_heads, head_dim]");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == n, "one slot per row");
   auto out = torch::empty({n, h, d}, q.options().dtype(at::kFloat));
   const int64_t* sl = slots.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t slots_total = k_cache.size(0);
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < slots_total, "slot out of range");
@@ -269,18 +293,25 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
       }
       for (int64_t i = rot; i < d; ++i) y[i] = to_f(x[i]);
     };
-    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const float* c = cp + r * rot;
-        const float* s = sp + r * rot;
-        for (int64_t j = 0; j < h; ++j) rotate(q.data_ptr<scalar_t>() + r * q.stride(0) + j * d, c, s, op + (r * h + j) * d);
-        for (int64_t j = 0; j < hkv; ++j) {
-          rotate(k.data_ptr<scalar_t>() + r * k.stride(0) + j * d, c, s, kc + (sl[r] * hkv + j) * d);
-          const scalar_t* vr = v.data_ptr<scalar_t>() + r * v.stride(0) + j * d;
-          float* vo = vc + (sl[r] * hkv + j) * d;
-          for (int64_t i = 0; i < d; ++i) vo[i] = to_f(vr[i]);
+    with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
+      using C = std::remove_pointer_t<decltype(kc)>;
+      at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+        std::vector<float> tmp(d);
+        for (int64_t r = b; r < e; ++r) {
+          const float* c = cp + r * rot;
+          const float* s = sp + r * rot;
+          for (int64_t j = 0; j < h; ++j)
+            rotate(q.data_ptr<scalar_t>() + r * q.stride(0) + j * d, c, s, op + (r * h + j) * d);
+          for (int64_t j = 0; j < hkv; ++j) {
+            rotate(k.data_ptr<scalar_t>() + r * k.stride(0) + j * d, c, s, tmp.data());
+            C* ko = kc + (sl[r] * hkv + j) * d;
+            for (int64_t i = 0; i < d; ++i) ko[i] = from_f<C>(tmp[i]);
+            const scalar_t* vr = v.data_ptr<scalar_t>() + r * v.stride(0) + j * d;
+            C* vo = vc + (sl[r] * hkv + j) * d;
+            for (int64_t i = 0; i < d; ++i) vo[i] = from_f<C>(to_f(vr[i]));
+          }
         }
-      }
+      });
     });
   });
   return out;
@@ -292,9 +323,7 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
 torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor row_slots,
                           torch::Tensor row_counts, double scale, at::ScalarType out_dtype) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
-              "caches must be contiguous float32 [slots, kv_heads, head_dim] of one shape");
+  check_caches(k_cache, v_cache);
   TORCH_CHECK(row_slots.dim() == 2, "row_slots must be [rows, width]");
   int64_t n = q.size(0), h = q.size(1), d = q.size(2), hkv = k_cache.size(1), width = row_slots.size(1);
   TORCH_CHECK(h % hkv == 0 && k_cache.size(2) == d, "head layout mismatch");
@@ -311,12 +340,11 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   }
   auto out = torch::empty({n, h, d}, q.options().dtype(out_dtype));
   const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   int64_t group = h / hkv;
   float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "attend_rows", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
+   scalar_t* op = out.data_ptr<scalar_t>();
+   with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
     at::parallel_for(0, n * h, 1, [&](int64_t b, int64_t e) {
       std::vector<float> p(width);
       std::vector<float> acc(d);
@@ -338,14 +366,15 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
         float total = lane_sum(p.data(), len);
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t t = 0; t < len; ++t) {
-          const float* vr = vc + (rs[t] * hkv + kvh) * d;
+          const auto* vr = vc + (rs[t] * hkv + kvh) * d;
           float pt = p[t];
-          for (int64_t i = 0; i < d; ++i) acc[i] += pt * vr[i];
+          for (int64_t i = 0; i < d; ++i) acc[i] += pt * to_f(vr[i]);
         }
         float inv = 1.0f / total;
         for (int64_t i = 0; i < d; ++i) op[item * d + i] = from_f<scalar_t>(acc[i] * inv);
       }
     });
+   });
   });
   return out;
 }

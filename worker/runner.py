@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from . import cpu_kernels
 from .attention import SeqSlice, build_attention_metadata
 from .config import EngineConfig
 from .cuda_graph import GraphRunner, StaticBuffers, capture_sizes, step_rows
@@ -18,9 +19,13 @@ from .model_files import ModelSource
 from .protocol import ForwardPlan
 
 
-def kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """float32 on CPU (see attention.py), the model dtype on GPUs."""
-    return torch.float32 if device.type == "cpu" else dtype
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device, backend: str = "torch") -> torch.dtype:
+    """The model dtype on GPUs, and on CPU where the fused kernels attend (bfloat16 halves the bytes a step gathers
+    from a cache the weights have evicted); float32 for the CPU's eager and Triton-interpreter paths (attention.py)."""
+    if device.type != "cpu":
+        return dtype
+    fused = backend == "torch" and dtype == torch.bfloat16 and cpu_kernels.ops(device) is not None
+    return torch.bfloat16 if fused else torch.float32
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
@@ -56,7 +61,7 @@ class ModelRunner:
         slots = (self.num_blocks + (graphs is not None)) * self.block_size
         kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
         shape = (slots, kv_local, self.model_cfg.head_dim)
-        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device)
+        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend)
         self.kv = [
             (
                 torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
@@ -92,7 +97,7 @@ class ModelRunner:
             tokens = self.config.max_total_tokens
         else:
             tokens = int(available_memory(self.tp.device) * self.config.mem_fraction) // kv_bytes_per_token(
-                self.model, kv_cache_dtype(self.dtype, self.tp.device)
+                self.model, kv_cache_dtype(self.dtype, self.tp.device, self.attention_backend)
             )
             if self.tp.device.type == "cpu":
                 tokens = min(tokens, CPU_DEFAULT_MAX_TOKENS)
