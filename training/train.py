@@ -73,8 +73,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=0,
                    help="stop training after this long and save the head (0: no limit): a device run's time box")
     p.add_argument("--record-tokens", type=int, default=0,
-                   help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else one "
-                        "sequence at a time)")
+                   help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else "
+                        "--max-len)")
     p.add_argument("--no-data-cache", action="store_true",
                    help="keep the recorded features in memory only (no out/data.pt: tens of GB for 10K answers)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
