@@ -17,6 +17,7 @@ import gzip
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -81,8 +82,7 @@ def greedy_answers(runner: ModelRunner, prompts: list[tuple[object, list[int]]],
         else:
             rows, plan = running, ForwardPlan(step, [r.answer[-1] for r in running],
                                               [(len(r.prompt) + len(r.answer) - 1, 1, r.blocks) for r in running])
-        ends = torch.tensor([s[1] for s in plan.seqs]).cumsum(0) - 1
-        plan.sample_rows = ends.tolist()
+        plan.sample_rows = [end - 1 for end in accumulate(q_len for _, q_len, _ in plan.seqs)]  # each one's last row
         logits, _, _ = runner.forward(plan)
         step += 1
         for row, token in zip(rows, logits.argmax(-1).tolist()):
@@ -173,25 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     for key, x in pairs:
         if not x:  # recorded with no answer, as `eaglegate distill` does, so no later run retries it
             out.write(record(key, []))
-    tokens = [0]
+    finished: list[int] = []  # each finished answer's length
 
     def on_done(key: tuple[int, int], answer: list[int]) -> None:
         out.write(record(key, answer))
-        tokens[0] += len(answer)
-        finished.add(key)
+        finished.append(len(answer))
         if len(finished) % 500 == 0:
             out.flush()
-            print(f"{len(finished)} answers, {tokens[0] / (time.monotonic() - t1):.0f} tok/s", flush=True)
+            print(f"{len(finished)} answers, {sum(finished) / (time.monotonic() - t1):.0f} tok/s", flush=True)
 
-    finished: set[tuple[int, int]] = set()
     t1 = time.monotonic()
     with torch.inference_mode():
         answers = greedy_answers(runner, usable, args.max_new_tokens, eos, args.batch,
                                  t1 + args.seconds if args.seconds else float("inf"), on_done, args.prefill_tokens)
     out.close()
     dt = time.monotonic() - t1
-    print(f"{len(answers)} of {len(usable)} answers, {tokens[0]} tokens in {dt:.0f} s "
-          f"({tokens[0] / max(dt, 1e-9):.0f} tok/s)", flush=True)
+    print(f"{len(answers)} of {len(usable)} answers, {sum(finished)} tokens in {dt:.0f} s "
+          f"({sum(finished) / max(dt, 1e-9):.0f} tok/s)", flush=True)
     if args.examples_out:
         prompt_of = dict(usable)
         examples = []

@@ -70,8 +70,8 @@ def distilled_prompts(tok, wanted: list[tuple[int, int]]) -> dict[tuple[int, int
     from .data import sharegpt_human_turns
     from .distill import read_all_answers
 
-    turns = {t: sharegpt_human_turns(t) for t in sorted({t for _, t in wanted})}
-    first = turns.get(1) or sharegpt_human_turns(1)
+    turns = {t: sharegpt_human_turns(t) for t in {1} | {t for _, t in wanted}}  # turn 2 prompts quote turn 1
+    first = turns[1]
     answers = read_all_answers(1) if any(t == 2 for _, t in wanted) else {}
     out = {}
     for i, t in wanted:
@@ -122,8 +122,7 @@ def conversation_example(tok, messages: list[dict], max_len: int) -> Example:
 def build_examples(args, out: Path) -> tuple[list[Example], int]:
     """(examples, how many are self-distilled answers): from --examples, or answers plus ShareGPT conversations."""
     if getattr(args, "examples", None):
-        files = [args.examples] if isinstance(args.examples, str) else args.examples
-        saved = [torch.load(f, weights_only=False) for f in files]
+        saved = [torch.load(f, weights_only=False) for f in args.examples]
         return ([(ids.tolist(), spans) for s in saved for ids, spans in s["examples"]],
                 sum(s["answers"] for s in saved))
     examples = generate_answers(args, out)
@@ -154,7 +153,7 @@ def collect(args, out: Path) -> dict:
     source = resolve_model(args.model_path)
     examples, num_answers = build_examples(args, out)
     device = torch.device(getattr(args, "device", "cpu"))
-    # several sequences per forward on a GPU (one each is launch-bound there); one at a time on the CPU
+    # sequences share a forward up to 8,192 tokens on a GPU (one each is launch-bound there), --max-len on the CPU
     budget = getattr(args, "record_tokens", 0) or (8192 if device.type == "cuda" else args.max_len)
     budget = max(budget, args.max_len)
     # eager: one pass over sequences of every length gains nothing from capturing graphs

@@ -54,6 +54,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, tp.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device)
         self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
+        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend)
         self.block_size = config.block_size
         self.num_blocks = self._agree_num_blocks()
         graphs = self._graph_mode()
@@ -61,7 +62,6 @@ class ModelRunner:
         slots = (self.num_blocks + (graphs is not None)) * self.block_size
         kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
         shape = (slots, kv_local, self.model_cfg.head_dim)
-        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend)
         self.kv = [
             (
                 torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
@@ -97,7 +97,7 @@ class ModelRunner:
             tokens = self.config.max_total_tokens
         else:
             tokens = int(available_memory(self.tp.device) * self.config.mem_fraction) // kv_bytes_per_token(
-                self.model, kv_cache_dtype(self.dtype, self.tp.device, self.attention_backend)
+                self.model, self.kv_dtype
             )
             if self.tp.device.type == "cpu":
                 tokens = min(tokens, CPU_DEFAULT_MAX_TOKENS)
