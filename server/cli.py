@@ -72,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-cost-table", default="auto",
                    help="auto: measure verify cost at start-up and let rank 0 size each step's tree by expected "
                         "tokens per second; PATH: a JSON cost table; off: the full tree every step")
+    p.add_argument("--speculative-draft-quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="the draft head's weights on CPU (groups of 32 through the quantized kernel): auto is int8 "
+                        "beside a quantized target, else dense (none)")
     p.add_argument(
         "--rank-consistency-check-interval",
         type=int,

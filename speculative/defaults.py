@@ -54,4 +54,4 @@ def resolve_spec_config(args) -> SpecConfig:
 
 def _budget_args(args) -> dict:
     return {"context_tokens": args.speculative_context_tokens, "context_ngram": args.speculative_context_ngram,
-            "cost_table": args.speculative_cost_table}
+            "cost_table": args.speculative_cost_table, "draft_quantization": args.speculative_draft_quantization}

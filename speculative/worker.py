@@ -10,13 +10,16 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
+from worker import cpu_kernels
 from worker.attention import SeqSlice, TreeKeys, build_attention_metadata, slots_of
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.layers import pack_cpu_linears
+from worker.layers import pack_cpu_linears, quantize_linears
 from worker.model_files import ModelLoadError
 from worker.protocol import SpecPlan
+from worker.quant import METHOD_BITS, QBlocks
 from worker.runner import ModelRunner
 
 from .budget import CostTable
@@ -26,6 +29,19 @@ from .tree import DraftTree, VerifyTree, build_verify_tree
 
 CALIBRATION_CONTEXT = 64  # tokens of context behind the calibration forwards
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def draft_bits(choice: str, target: nn.Module) -> int | None:
+    """The draft head's weight width on CPU (None: dense bfloat16). auto: int8 beside a quantized target, where
+    qlinear (exact bfloat16 activations) is built: a draft forward then streams about half the bytes of the dense
+    head (bench/draft.py). The verify forward keeps the output exactly the target's whatever the draft proposes."""
+    kernels = cpu_kernels.ops(torch.device("cpu"))
+    if choice == "none" or kernels is None or not kernels.qlinear_fast():
+        return None
+    if choice == "auto":
+        quantized = any(isinstance(getattr(m, "qweight", None), QBlocks) for m in target.modules())
+        return 8 if quantized else None
+    return METHOD_BITS[choice]
 
 
 @dataclass
@@ -48,6 +64,9 @@ class SpecWorker:
             raise ModelLoadError(f"--speculative-algorithm EAGLE3 needs an EAGLE-3 head; {self.spec.draft_model_path} "
                                  f"is an EAGLE-1/2 head (use EAGLE, which takes either layout)")
         if runner.dtype == torch.bfloat16 and tp.device.type == "cpu":
+            bits = draft_bits(self.spec.draft_quantization, runner.model)
+            if bits:
+                quantize_linears(self.head, bits, runner.dtype)
             pack_cpu_linears(self.head)
         if self.head.kind == "eagle3":
             runner.model.aux_layers = set(self.head.dcfg.aux_layers)

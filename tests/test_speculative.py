@@ -9,9 +9,11 @@ import torch
 from helpers import save_copy_eagle_head, save_random_eagle_head
 
 from runtime.engine import Engine, EngineDeadError
+from speculative.defaults import DEFAULT_HEAD
 from speculative.heads import read_draft
 from speculative.tree import VerifyTree
 from speculative.verify import verify_sampling
+from worker import cpu_kernels
 from worker.config import EngineConfig, SpecConfig
 from worker.model_config import load_model_config
 from worker.model_files import ModelLoadError, resolve_model
@@ -243,3 +245,33 @@ def test_wrong_head_gives_clear_errors(tmp_path, smol_cfg):
     eagle12 = save_random_eagle_head(tmp_path / "e12", smol_cfg, "eagle")
     with pytest.raises(EngineDeadError, match="EAGLE3 needs an EAGLE-3 head"):
         Engine(EngineConfig(dtype="float32", max_total_tokens=512, spec=SpecConfig("EAGLE3", str(eagle12))))
+
+
+def test_draft_head_runs_int8_beside_a_quantized_target():
+    """A quantized target on CPU gets an int8 draft head (half the bytes a draft forward streams); its draft logits
+    keep the dense head's choice. Output stays the target's whatever the draft proposes (the identity tests above)."""
+    from speculative.heads import load_draft_head
+    from speculative.worker import draft_bits
+    from worker.dist import single_rank_group
+    from worker.layers import quantize_linears
+    from worker.loader import load_target
+    from worker.quant import QBlocks
+
+    if not (cpu_kernels.ops(torch.device("cpu")) and cpu_kernels.ops(torch.device("cpu")).qlinear_fast()):
+        pytest.skip("qlinear's fast path is not built here")
+    group = single_rank_group(torch.device("cpu"))
+    model = resolve_model("smollm2-135m-instruct")
+    dense_target, _ = load_target(EngineConfig(dtype="float32"), model, group, torch.float32)
+    assert draft_bits("auto", dense_target) is None and draft_bits("int4", dense_target) == 4
+    target, _ = load_target(EngineConfig(dtype="bfloat16", quantization="auto"), model, group, torch.bfloat16)
+    assert draft_bits("auto", target) == 8 and draft_bits("none", target) is None
+    dense = load_draft_head(DEFAULT_HEAD, target, group, torch.bfloat16, 512)
+    head = load_draft_head(DEFAULT_HEAD, target, group, torch.bfloat16, 512)
+    assert quantize_linears(head, 8, torch.bfloat16) == 6  # fc, qkv, o, gate_up, down, lm_head
+    assert all(m.qweight.bits == 8 for m in head.modules() if isinstance(getattr(m, "qweight", None), QBlocks))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 576, generator=g).bfloat16()
+    with torch.inference_mode():
+        a, b = dense.logits(x), head.logits(x)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert ((a - b).abs().max() / a.abs().max()) < 0.05

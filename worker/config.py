@@ -29,6 +29,8 @@ class SpecConfig:
     # rank 0's per-step tree budget (speculative/budget.py): "auto" measures verify cost at start-up, a path
     # loads a JSON cost table, "off" verifies the full configured tree on every step
     cost_table: str = "auto"
+    # the draft head's weights on CPU: auto is int8 beside a quantized target (speculative/worker.py), else dense
+    draft_quantization: str = "auto"  # auto | none | int8 | int4
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +90,9 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
+        if self.spec.draft_quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown draft quantization {self.spec.draft_quantization!r}; use "
+                             f"{', '.join(QUANTIZATION_CHOICES)}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; use auto, torch or triton")
         if self.cuda_graph_max_rows < 1:
