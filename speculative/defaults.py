@@ -35,7 +35,7 @@ def resolve_spec_config(args) -> SpecConfig:
                               accept_threshold_single=args.speculative_accept_threshold_single,
                               accept_threshold_acc=args.speculative_accept_threshold_acc,
                               disable_batch_size=d.disable_batch_size if args.speculative_disable_batch_size is None
-                              else args.speculative_disable_batch_size, **_budget_args(args))
+                              else args.speculative_disable_batch_size, **_common_args(args))
     algo = algo.upper()
     if algo == "NONE":
         return SpecConfig()
@@ -49,9 +49,11 @@ def resolve_spec_config(args) -> SpecConfig:
                       eagle_topk=topk, num_draft_tokens=draft,
                       accept_threshold_single=args.speculative_accept_threshold_single,
                       accept_threshold_acc=args.speculative_accept_threshold_acc,
-                      disable_batch_size=args.speculative_disable_batch_size or 0, **_budget_args(args))
+                      disable_batch_size=args.speculative_disable_batch_size or 0, **_common_args(args))
 
 
-def _budget_args(args) -> dict:
+def _common_args(args) -> dict:
+    """The flags the shipped head's defaults and an explicit setting take alike: context drafts, the budget's cost
+    table, the draft head's weights."""
     return {"context_tokens": args.speculative_context_tokens, "context_ngram": args.speculative_context_ngram,
             "cost_table": args.speculative_cost_table, "draft_quantization": args.speculative_draft_quantization}
