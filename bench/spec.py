@@ -48,7 +48,8 @@ def mtbench_first_turns(limit: int) -> list[str]:
 
 
 SOURCES = ("spec_verify_steps", "spec_accepted_tokens", "spec_drafted_steps", "spec_eagle_tokens",
-           "spec_eagle_accepted_tokens", "spec_context_tokens", "spec_context_accepted_tokens")
+           "spec_eagle_accepted_tokens", "spec_context_tokens", "spec_context_accepted_tokens", "spec_corpus_tokens",
+           "spec_corpus_accepted_tokens")
 
 
 def _stats_delta(engine: Engine, before: dict) -> dict:
@@ -95,7 +96,8 @@ def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: i
 
 
 VARIANTS = {"default": {}, "eagle-only": {"context_tokens": 0, "cost_table": "off"},
-            "eagle+context": {"cost_table": "off"}, "budget-no-context": {"context_tokens": 0}}
+            "eagle+context": {"cost_table": "off", "corpus": "off"}, "budget-no-context": {"context_tokens": 0},
+            "no-corpus": {"corpus": "off"}}
 
 
 def identity_check(draft: str, setting: tuple[int, int, int], questions: list[str], max_tokens: int) -> dict:
@@ -225,7 +227,8 @@ def main() -> None:
                       f"{r['plain_tok_s']:.1f} tok/s  EAGLE {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
                       f"identical {r['identical']}/{r['n']}  accepted: EAGLE {src['spec_eagle_accepted_tokens']}/"
                       f"{src['spec_eagle_tokens']}, context {src['spec_context_accepted_tokens']}/"
-                      f"{src['spec_context_tokens']}, drafted steps {src['spec_drafted_steps']}/"
+                      f"{src['spec_context_tokens']}, corpus {src['spec_corpus_accepted_tokens']}/"
+                      f"{src['spec_corpus_tokens']}, drafted steps {src['spec_drafted_steps']}/"
                       f"{src['spec_verify_steps']}", flush=True)
                 if (steps, topk, ndt) == settings[0] and variant == "default":
                     for c in [int(x) for x in args.concurrency.split(",") if x]:

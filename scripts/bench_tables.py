@@ -45,7 +45,10 @@ def spec_table(d: dict) -> str:
     if src:
         out.append(f"Accepted candidates by source (default serve): EAGLE {src['spec_eagle_accepted_tokens']} of "
                    f"{src['spec_eagle_tokens']} verified, context {src['spec_context_accepted_tokens']} of "
-                   f"{src['spec_context_tokens']}; the EAGLE head drafted on {src['spec_drafted_steps']} of "
+                   f"{src['spec_context_tokens']}"
+                   + (f", corpus {src['spec_corpus_accepted_tokens']} of {src['spec_corpus_tokens']}"
+                      if "spec_corpus_tokens" in src else "")
+                   + f"; the EAGLE head drafted on {src['spec_drafted_steps']} of "
                    f"{src['spec_verify_steps']} verify steps (the others verified context candidates alone; "
                    "plain steps rank 0 chose are not verify steps).")
     conc = {k: v for k, v in d.get("concurrency", {}).items() if k != "1"}

@@ -75,6 +75,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="the draft head's weights on CPU (groups of 32 through the quantized kernel): auto is int8 "
                         "beside a quantized target, else dense (none)")
+    p.add_argument("--speculative-corpus", default="auto",
+                   help="candidates from a corpus of the target's own answers where the context has no better "
+                        "match: auto is the default model's distilled answers (training/distilled*); PATH: a folder "
+                        "of answers-*.jsonl.gz in that format; off")
     p.add_argument(
         "--rank-consistency-check-interval",
         type=int,

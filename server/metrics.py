@@ -169,7 +169,8 @@ class Metrics:
             self.labels(self.spec_draft_tokens).inc(c.draft_tokens)
             self.labels(self.spec_accepted_tokens).inc(c.accepted_tokens)
             for source, drafted, accepted in (("eagle", c.eagle_tokens, c.eagle_accepted_tokens),
-                                              ("context", c.context_tokens, c.context_accepted_tokens)):
+                                              ("context", c.context_tokens, c.context_accepted_tokens),
+                                              ("corpus", c.corpus_tokens, c.corpus_accepted_tokens)):
                 self.labels(self.spec_source_draft, source=source).inc(drafted)
                 self.labels(self.spec_source_accepted, source=source).inc(accepted)
             for pos, count in enumerate(m.accepted_per_position):

@@ -60,11 +60,12 @@ class CostTable:
 class Candidate:
     prob: float  # estimated probability that the target accepts it (and its ancestors)
     seq: int  # index in the batch
-    source: int  # EAGLE or CONTEXT
+    source: int  # EAGLE or CONTEXT (a chain, from the context or the corpus)
     index: int  # EAGLE: draft-tree candidate; CONTEXT: position in the chain (0-based)
 
 
-EAGLE, CONTEXT = 1, 2
+# candidate sources, as bits of VerifyTree.sources: a sequence's chain comes from its context or from the corpus
+EAGLE, CONTEXT, CORPUS = 1, 2, 4
 
 
 def choose(cands: list[Candidate], batch: int, cost: CostTable, fixed_s: float) -> tuple[list[Candidate], float]:
@@ -86,15 +87,15 @@ def choose(cands: list[Candidate], batch: int, cost: CostTable, fixed_s: float) 
 @dataclass
 class Estimates:
     """Rank 0's running figures: each kind of step's seconds besides its verify forward (by batch size), the
-    EAGLE drafting seconds, EAGLE tokens accepted per drafted step, and the per-token acceptance of context
-    candidates by match length (successes / trials, from a uniform prior)."""
+    EAGLE drafting seconds, EAGLE tokens accepted per drafted step, and the per-token acceptance of chain
+    candidates by key, (CONTEXT or CORPUS, match length) (successes / trials, from a uniform prior)."""
 
     eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
     eagle_gain: float = math.nan
     overhead: dict[tuple[str, int], float] = field(default_factory=dict)  # (DRAFT | CONTEXT | PLAIN, batch)
     draft_seconds: dict[int, float] = field(default_factory=dict)
-    context_hits: dict[int, float] = field(default_factory=dict)
-    context_trials: dict[int, float] = field(default_factory=dict)
+    context_hits: dict[tuple[int, int], float] = field(default_factory=dict)
+    context_trials: dict[tuple[int, int], float] = field(default_factory=dict)
     frozen: dict[str, float] | None = None  # overheads from a cost-table file: not measured
 
     def __post_init__(self):
@@ -109,8 +110,8 @@ class Estimates:
     def draft_time(self, batch: int) -> float:
         return _nearest(self.draft_seconds, batch)
 
-    def context_p(self, n: int) -> float:
-        return (self.context_hits.get(n, 0.0) + 1.0) / (self.context_trials.get(n, 0.0) + 2.0)
+    def context_p(self, key: tuple[int, int]) -> float:
+        return (self.context_hits.get(key, 0.0) + 1.0) / (self.context_trials.get(key, 0.0) + 2.0)
 
     def observe_step(self, kind: str, batch: int, seconds: float) -> None:
         """A step's wall seconds besides its verify forward (as the cost table prices it)."""
@@ -133,11 +134,11 @@ class Estimates:
             if other != kind and (other, batch) in self.overhead:
                 self.overhead[(other, batch)] *= 1.0 - RELAX
 
-    def observe_context(self, n: int, offered: int, accepted: int) -> None:
-        """A chain of `offered` context tokens from an n-gram match, of which the first `accepted` were taken."""
+    def observe_context(self, key: tuple[int, int], offered: int, accepted: int) -> None:
+        """A chain of `offered` tokens from `key`'s match, of which the first `accepted` were taken."""
         if offered:
-            self.context_hits[n] = self.context_hits.get(n, 0.0) + accepted
-            self.context_trials[n] = self.context_trials.get(n, 0.0) + accepted + (accepted < offered)
+            self.context_hits[key] = self.context_hits.get(key, 0.0) + accepted
+            self.context_trials[key] = self.context_trials.get(key, 0.0) + accepted + (accepted < offered)
 
 
 def _nearest(by_batch: dict[int, float], batch: int) -> float:

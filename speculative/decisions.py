@@ -93,7 +93,7 @@ class LeaderState:
     head: object  # maps draft-vocabulary ids to target ids (FR-Spec subset, EAGLE-3 d2t)
     cost: CostTable | None  # None: the fixed tree every step
     estimates: Estimates
-    context_n: list[int]  # n-gram length behind each sequence's context candidates
+    chain_keys: list[tuple[int, int]]  # (CONTEXT or CORPUS, match length) behind each sequence's chain
 
 
 class SpecDecisions:
@@ -159,7 +159,7 @@ class SpecDecisions:
     def _context_candidates(self, contexts: list[list[int]]) -> list[Candidate]:
         lead = self.leader
         return [c for b, ctx in enumerate(contexts)
-                for c in budget.context_candidates(b, len(ctx), lead.estimates.context_p(lead.context_n[b]))]
+                for c in budget.context_candidates(b, len(ctx), lead.estimates.context_p(lead.chain_keys[b]))]
 
     def select(self, trees: list[DraftTree], contexts: list[list[int]]) -> list[Selection]:
         num = self.spec.num_draft_tokens - 1

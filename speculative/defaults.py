@@ -54,6 +54,7 @@ def resolve_spec_config(args) -> SpecConfig:
 
 def _common_args(args) -> dict:
     """The flags the shipped head's defaults and an explicit setting take alike: context drafts, the budget's cost
-    table, the draft head's weights."""
+    table, the draft head's weights, the corpus."""
     return {"context_tokens": args.speculative_context_tokens, "context_ngram": args.speculative_context_ngram,
-            "cost_table": args.speculative_cost_table, "draft_quantization": args.speculative_draft_quantization}
+            "cost_table": args.speculative_cost_table, "draft_quantization": args.speculative_draft_quantization,
+            "corpus": args.speculative_corpus}

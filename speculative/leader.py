@@ -21,8 +21,12 @@ from worker.stats import EngineSnapshot, SpecCounts
 from . import budget
 from .budget import Estimates
 from .context import context_draft
+from .corpus import MAX_MATCH, load_corpus
 from .decisions import Commit, DecisionChannel, LeaderState, SpecDecisions
 from .worker import SpecResult, SpecWorker
+
+# corpus chains share an acceptance estimate by how many occurrences back their first token (1, 2-4, 5-19, 20+)
+SUPPORT_BUCKETS = (1, 2, 5, 20)
 
 
 def _committed(step: SpecPlan, commits: list[Commit]) -> list[int]:
@@ -42,6 +46,20 @@ class SpecLeader(Leader):
         self.estimates = Estimates(eagle_prior=float(min(s.num_steps, s.num_draft_tokens - 1)),
                                    frozen=cost.overhead if cost is not None else None)
         self.channel = DecisionChannel(tp)
+        self.corpus = load_corpus(config) if s.context_tokens else None
+
+    def chain(self, tokens: list[int]) -> tuple[list[int], tuple[int, int]]:
+        """A sequence's free candidates, and their key for the estimates: the context's prompt-lookup chain, or the
+        corpus's where its first token is the likelier by the running per-key acceptance."""
+        spec, est = self.config.spec, self.estimates
+        ids, n = context_draft(tokens, spec.context_ngram, spec.context_tokens)
+        best = ids, (budget.CONTEXT, n)
+        if self.corpus is not None:
+            more, support = self.corpus.draft(tokens[-MAX_MATCH:], spec.context_tokens)
+            key = (budget.CORPUS, max(b for b in SUPPORT_BUCKETS if b <= max(support, 1)))
+            if more and (not ids or est.context_p(key) > est.context_p(best[1])):
+                best = more, key
+        return best
 
     @property
     def reserve(self) -> int:
@@ -68,10 +86,10 @@ class SpecLeader(Leader):
         started = time.perf_counter()
         seqs = [item.seq for item in batch]
         spec, cost, est = self.config.spec, self.worker.cost, self.estimates
-        found = [context_draft(s.token_ids, spec.context_ngram, spec.context_tokens) for s in seqs]
+        found = [self.chain(s.token_ids) for s in seqs]
         kind = budget.DRAFT
         if cost is not None:
-            cands = [budget.context_candidates(b, len(ids), est.context_p(n)) for b, (ids, n) in enumerate(found)]
+            cands = [budget.context_candidates(b, len(ids), est.context_p(key)) for b, (ids, key) in enumerate(found)]
             kind, counts = budget.plan_step(est, cost, cands, spec.num_draft_tokens - 1)
             found = [(ids[:c], n) for (ids, n), c in zip(found, counts)]
             est.chose(kind, len(seqs))
@@ -83,13 +101,13 @@ class SpecLeader(Leader):
         self._count_step(kind)
         self.step_no += 1
         step = SpecPlan(self.step_no, [SpecSeq(s.num_cached, list(s.block_table), s.draft_cached,
-                                               s.token_ids[s.draft_cached + 1 : s.num_cached + 1], ids)
-                                       for s, (ids, _) in zip(seqs, found)], kind == budget.DRAFT)
+                                               s.token_ids[s.draft_cached + 1 : s.num_cached + 1], ids, key[0])
+                                       for s, (ids, key) in zip(seqs, found)], kind == budget.DRAFT)
         self.broadcast_plan(step)
-        lead = LeaderState(seqs, self.worker.head, cost, est, [n for _, n in found])
+        lead = LeaderState(seqs, self.worker.head, cost, est, [key for _, key in found])
         self.channel.seconds = {}
         result: SpecResult = self.worker.run(step, SpecDecisions(self.channel, self.config, len(seqs), lead))
-        self._apply(seqs, step, result, [n for _, n in found])
+        self._apply(seqs, step, result, [key for _, key in found])
         m = self.step_metrics
         for kind, seconds in self.channel.seconds.items():
             m.sync_seconds.setdefault(kind, []).extend(seconds)
@@ -104,14 +122,15 @@ class SpecLeader(Leader):
         kinds = self.step_metrics.spec_steps
         kinds[kind] = kinds.get(kind, 0) + 1
 
-    def _apply(self, seqs: list[Sequence], step: SpecPlan, result: SpecResult, context_n: list[int]) -> None:
+    def _apply(self, seqs: list[Sequence], step: SpecPlan, result: SpecResult,
+               chain_keys: list[tuple[int, int]]) -> None:
         m, t, est = self.step_metrics, self.totals, self.estimates
         if not m.accepted_per_position:
             m.accepted_per_position = [0] * self.worker.max_depth
         per_pos = m.accepted_per_position
         off, eagle_accepted = 0, []
-        for seq, q, commit, vt, sel, n in zip(seqs, step.seqs, result.commits, result.trees, result.selections,
-                                              context_n):
+        for seq, q, commit, vt, sel, key in zip(seqs, step.seqs, result.commits, result.trees, result.selections,
+                                                chain_keys):
             tokens = [vt.tokens[node] for node in commit.path] + [commit.bonus]
             rows = None
             if seq.params.logprobs is not None:
@@ -123,12 +142,14 @@ class SpecLeader(Leader):
             self.append_tokens(seq, tokens, rows)
             a = len(commit.path)
             by_source = {src: sum(1 for node in commit.path if vt.sources[node] & src)
-                         for src in (budget.EAGLE, budget.CONTEXT)}
+                         for src in (budget.EAGLE, budget.CONTEXT, budget.CORPUS)}
             counts = SpecCounts(verify_steps=1, drafted_steps=int(step.draft), draft_tokens=vt.size - 1,
                                 accepted_tokens=a, eagle_tokens=sum(1 for x in vt.sources if x & budget.EAGLE),
                                 eagle_accepted_tokens=by_source[budget.EAGLE],
                                 context_tokens=sum(1 for x in vt.sources if x & budget.CONTEXT),
-                                context_accepted_tokens=by_source[budget.CONTEXT])
+                                context_accepted_tokens=by_source[budget.CONTEXT],
+                                corpus_tokens=sum(1 for x in vt.sources if x & budget.CORPUS),
+                                corpus_accepted_tokens=by_source[budget.CORPUS])
             t.add(counts)
             m.spec.add(counts)
             m.accept_lengths.append(a + 1)
@@ -136,7 +157,7 @@ class SpecLeader(Leader):
                 per_pos[i] += 1
             if step.draft:
                 eagle_accepted.append(by_source[budget.EAGLE])
-            est.observe_context(n, sel.num_context, sum(1 for node in commit.path if vt.sources[node] & budget.CONTEXT))
+            est.observe_context(key, sel.num_context, by_source[key[0]])
         if step.draft:
             est.observe_draft(len(seqs), result.timings["draft"], eagle_accepted)
 

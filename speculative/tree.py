@@ -88,9 +88,10 @@ class VerifyTree:
         return m
 
 
-def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], context: list[int]) -> VerifyTree:
-    """The root, the selected draft candidates, then the context chain merged in where it repeats a drafted path
-    (a shared node is verified once and counts for both sources)."""
+def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], context: list[int],
+                      source: int = CONTEXT) -> VerifyTree:
+    """The root, the selected draft candidates, then the chain (from `source`: the context or the corpus) merged in
+    where it repeats a drafted path (a shared node is verified once and counts for both sources)."""
     node_of = {c: i + 1 for i, c in enumerate(selected)}
     vt = VerifyTree([root_token], [-1], [0], [0])
     for c in selected:
@@ -109,6 +110,6 @@ def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], con
             vt.sources.append(0)
             kids.append([])
             nxt = len(vt.tokens) - 1
-        vt.sources[nxt] |= CONTEXT
+        vt.sources[nxt] |= source
         node = nxt
     return vt

@@ -143,7 +143,7 @@ class SpecWorker:
             self._draft(step, decisions, trees, contexts)
         # without a draft, the plan already holds rank 0's choice of context tokens
         selections = decisions.select(trees, contexts) if step.draft else [Selection([], len(c)) for c in contexts]
-        vtrees = [build_verify_tree(q.extend_ids[-1], t, sel.picks, ctx[: sel.num_context])
+        vtrees = [build_verify_tree(q.extend_ids[-1], t, sel.picks, ctx[: sel.num_context], q.context_source)
                   for q, t, sel, ctx in zip(step.seqs, trees, selections, contexts)]
         t1 = time.perf_counter()
         logits = self._verify_forward(step, vtrees)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from runtime.engine import Engine
 from speculative import budget
 from speculative.budget import Candidate, CostTable, Estimates
 from speculative.context import context_draft
+from speculative.corpus import Corpus, load_corpus
 from speculative.defaults import default_spec_config
 from speculative.tree import DraftTree, build_verify_tree
 from worker.config import EngineConfig
@@ -36,6 +38,17 @@ def test_context_draft_follows_the_latest_full_match():
     assert context_draft([1, 2, 3, 1, 2, 4, 1, 2], 3, 1) == ([4], 2)  # the latest of two matches
     assert context_draft([1, 1, 1, 1, 1, 1, 1, 1, 1], 3, 4) == ([1, 1, 1, 1], 3)  # periodic: an earlier full match
     assert context_draft([3, 4, 5], 3, 4) == ([], 0)
+
+
+def test_corpus_draft_follows_the_longest_match_while_its_occurrences_agree():
+    c = Corpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
+                [6, 2, 3, 4, 5, 6, 11]])
+    assert c.key_len == 4
+    assert c.draft([1, 2, 3, 4, 5], 4) == ([6], 1)  # the longest suffix occurs once; its answer ends after 6
+    assert c.draft([0, 2, 3, 4, 5], 4) == ([6], 4)  # 4 of 5 occurrences go on with 6, then they part (10, 11, 11)
+    assert c.draft([0, 7, 2, 3, 4, 5, 6], 4) == ([11], 1)
+    assert c.draft([9, 2, 3, 4, 5], 4) == ([7], 1)
+    assert c.draft([2, 3, 4, 4], 4) == ([], 0) and c.draft([4, 5], 4) == ([], 0)
 
 
 def test_choose_verifies_what_pays_and_nothing_else():
@@ -129,3 +142,27 @@ def test_context_drafts_copy_a_passage_several_tokens_a_step(smol_engine, tmp_pa
           f"{s['spec_eagle_accepted_tokens']} from EAGLE")
     assert per_step >= 3
     assert s["spec_context_accepted_tokens"] > s["spec_eagle_accepted_tokens"]
+
+
+def test_corpus_drafts_an_answer_the_target_gave_before(smol_engine, tmp_path):
+    """A corpus holding the target's own answer (a folder in the distilled format, built once, then read from the
+    cache): its chains are verified and accepted, several tokens a step, and the output is plain greedy's."""
+    question = chat(smol_engine, "Name three things a lighthouse keeper does every day.")
+    prompt = smol_engine.encode(question)
+    ref = smol_engine.generate([prompt], _greedy(48))[0].token_ids
+    folder = tmp_path / "answers"
+    folder.mkdir()
+    with gzip.open(folder / "answers-000.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"i": 0, "ids": ref}) + "\n")
+    spec = dataclasses.replace(default_spec_config(), cost_table=_table(tmp_path, FLAT), corpus=str(folder))
+    config = EngineConfig(dtype="float32", max_total_tokens=4096, spec=spec)
+    built, cached = load_corpus(config), load_corpus(config)
+    assert cached.draft(ref[:8], 4) == built.draft(ref[:8], 4) == (ref[8:12], 1)
+    with Engine(config) as eng:
+        out = eng.generate([prompt], _greedy(48))[0].token_ids
+        s = eng.stats.values
+    assert out == ref
+    print(f"{s['spec_accepted_tokens'] / s['spec_verify_steps']:.2f} accepted tokens per step, "
+          f"{s['spec_corpus_accepted_tokens']} from the corpus, {s['spec_eagle_accepted_tokens']} from EAGLE")
+    assert s["spec_corpus_accepted_tokens"] >= 30
+    assert s["spec_accepted_tokens"] / s["spec_verify_steps"] >= 3

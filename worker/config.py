@@ -31,6 +31,9 @@ class SpecConfig:
     cost_table: str = "auto"
     # the draft head's weights on CPU: auto is int8 beside a quantized target (speculative/worker.py), else dense
     draft_quantization: str = "auto"  # auto | none | int8 | int4
+    # corpus candidates (speculative/corpus.py): "auto" is the target's own distilled answers where the target is
+    # the default model (training/distilled*), else off; a path is a folder of answers in that format; "off"
+    corpus: str = "auto"
 
     @property
     def enabled(self) -> bool:

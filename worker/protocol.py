@@ -90,7 +90,8 @@ class SpecSeq:
     block_table: list[int]
     draft_cached: int  # positions [0, draft_cached) hold valid draft KV
     extend_ids: list[int]  # x_{t+1} for t in [draft_cached, n): the draft catches up on these positions
-    context_ids: list[int] = field(default_factory=list)  # rank 0's prompt-lookup candidates (a chain)
+    context_ids: list[int] = field(default_factory=list)  # rank 0's chain candidates (prompt lookup or corpus)
+    context_source: int = 2  # where the chain comes from: 2 the sequence's context, 4 the corpus (speculative/budget)
 
 
 @dataclass

@@ -19,6 +19,8 @@ class SpecCounts:
     eagle_accepted_tokens: int = 0
     context_tokens: int = 0  # candidates proposed by prompt lookup
     context_accepted_tokens: int = 0
+    corpus_tokens: int = 0  # candidates proposed by the corpus of the target's answers (speculative/corpus.py)
+    corpus_accepted_tokens: int = 0
 
     def add(self, other: SpecCounts) -> None:
         for f in dataclasses.fields(self):
