@@ -133,41 +133,99 @@ inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper h
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <typename C>
-inline void attend_head64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots,
-                          int64_t len, float scale, float* p, float* out) {
-  __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
-         q3 = _mm512_loadu_ps(q + 48);
+// The lane sums of 16 vectors, out[i] = sum of v[i]'s lanes, by one fixed tree of shuffles and adds: about 3
+// instructions a vector, where a horizontal reduce of each is 8.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: [v2i: q0+q2, q1+q3 | v2i+1: q0+q2, q1+q3] (q: 128-bit quarters)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 4; ++j)  // quarter L of b[j]: four partial sums of v[4j + L]
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+  __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+  __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1));
+  __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1));
+  __m512 d = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // d[4L + j] = sum of v[4j + L]
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+// The query heads g0 .. g0 + H of one row that share a KV head (GQA), head_dim 64: each cached key and value row is
+// loaded and widened once for all of them. Scores go 16 keys at a time through sum16; each head's softmax and
+// weighted sum of values run in a fixed order over the row's own keys, so its result is the same whatever other
+// heads or rows run beside it.
+template <typename C, int H>
+inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots,
+                           int64_t len, int64_t width, float scale, float* p, float* out) {
+  __m512 part[H][16];
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(k0 + slots[t] * stride);
-  for (int64_t t = 0; t < len; ++t) {
-    const C* k = k0 + slots[t] * stride;
-    if (t + kPrefetchKeys < len) prefetch_row64(k0 + slots[t + kPrefetchKeys] * stride);
-    __m512 a = _mm512_mul_ps(q0, load16(k));
-    __m512 b = _mm512_mul_ps(q1, load16(k + 16));
-    a = _mm512_fmadd_ps(q2, load16(k + 32), a);
-    b = _mm512_fmadd_ps(q3, load16(k + 48), b);
-    p[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t t = t0 + i;
+      const C* k = k0 + slots[t] * stride;
+      if (t + kPrefetchKeys < len) prefetch_row64(k0 + slots[t + kPrefetchKeys] * stride);
+      __m512 k_0 = load16(k), k_1 = load16(k + 16), k_2 = load16(k + 32), k_3 = load16(k + 48);
+      for (int h = 0; h < H; ++h) {
+        const float* qh = q + h * 64;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), k_0);
+        __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qh + 16), k_1);
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32), k_2, a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 48), k_3, b);
+        part[h][i] = _mm512_add_ps(a, b);
+      }
+    }
+    __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int h = 0; h < H; ++h) {
+      for (int64_t i = n; i < 16; ++i) part[h][i] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(p + h * width + t0, mask, _mm512_mul_ps(sum16(part[h]), _mm512_set1_ps(scale)));
+    }
   }
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(v0 + slots[t] * stride);  // under the softmax
-  float m = p[0];
-  for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
-  for (int64_t t = 0; t < len; ++t) p[t] = exp_approx(p[t] - m);
-  float inv = 1.0f / lane_sum(p, len);
-  __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+  float inv[H];
+  for (int h = 0; h < H; ++h) {
+    float* ph = p + h * width;
+    float m = ph[0];
+    for (int64_t t = 1; t < len; ++t) m = ph[t] > m ? ph[t] : m;
+    for (int64_t t = 0; t < len; ++t) ph[t] = exp_approx(ph[t] - m);
+    inv[h] = 1.0f / lane_sum(ph, len);
+  }
+  __m512 o[H][4];
+  for (int h = 0; h < H; ++h) o[h][0] = o[h][1] = o[h][2] = o[h][3] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     const C* v = v0 + slots[t] * stride;
     if (t + kPrefetchKeys < len) prefetch_row64(v0 + slots[t + kPrefetchKeys] * stride);
-    __m512 pt = _mm512_set1_ps(p[t]);
-    o0 = _mm512_fmadd_ps(pt, load16(v), o0);
-    o1 = _mm512_fmadd_ps(pt, load16(v + 16), o1);
-    o2 = _mm512_fmadd_ps(pt, load16(v + 32), o2);
-    o3 = _mm512_fmadd_ps(pt, load16(v + 48), o3);
+    __m512 v_0 = load16(v), v_1 = load16(v + 16), v_2 = load16(v + 32), v_3 = load16(v + 48);
+    for (int h = 0; h < H; ++h) {
+      __m512 pt = _mm512_set1_ps(p[h * width + t]);
+      o[h][0] = _mm512_fmadd_ps(pt, v_0, o[h][0]);
+      o[h][1] = _mm512_fmadd_ps(pt, v_1, o[h][1]);
+      o[h][2] = _mm512_fmadd_ps(pt, v_2, o[h][2]);
+      o[h][3] = _mm512_fmadd_ps(pt, v_3, o[h][3]);
+    }
   }
-  __m512 s = _mm512_set1_ps(inv);
-  _mm512_storeu_ps(out, _mm512_mul_ps(o0, s));
-  _mm512_storeu_ps(out + 16, _mm512_mul_ps(o1, s));
-  _mm512_storeu_ps(out + 32, _mm512_mul_ps(o2, s));
-  _mm512_storeu_ps(out + 48, _mm512_mul_ps(o3, s));
+  for (int h = 0; h < H; ++h) {
+    __m512 s = _mm512_set1_ps(inv[h]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + 16 * j, _mm512_mul_ps(o[h][j], s));
+  }
+}
+
+// Heads [g0, g0 + count) of one row, at most 4 at a time (their accumulators stay in registers).
+template <typename C>
+inline void attend_group64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots,
+                           int64_t len, int64_t width, float scale, float* p, float* out, int count) {
+  for (int h = 0; h < count; h += 4) {
+    const float* qh = q + h * 64;
+    float* oh = out + h * 64;
+    switch (std::min(4, count - h)) {
+      case 1: attend_heads64<C, 1>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
+      case 2: attend_heads64<C, 2>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
+      case 3: attend_heads64<C, 3>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
+      default: attend_heads64<C, 4>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
+    }
+  }
 }
 #endif
 
@@ -322,8 +380,9 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 // Attention of each query row over exactly its own keys: q [N, H, D] float32, row_slots [N, Lr] (each row's cache
-// slots in position order, the first row_counts[r] real). One thread computes a whole (row, head), in the
-// same order whatever runs beside it, so the result depends only on that row's keys. Returns [N, H, D] in out_dtype.
+// slots in position order, the first row_counts[r] real). One thread computes a whole (row, KV head) (or, off the
+// AVX512 head_dim-64 path, a whole (row, head)), each head in the same order whatever runs beside it, so the result
+// depends only on that row's keys. Returns [N, H, D] in out_dtype.
 torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor row_slots,
                           torch::Tensor row_counts, double scale, at::ScalarType out_dtype) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32");
@@ -349,6 +408,21 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "attend_rows", [&] {
    scalar_t* op = out.data_ptr<scalar_t>();
    with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
+#ifdef __AVX512F__
+    if (d == 64) {  // one item per (row, KV head): its query heads share each key and value load
+      at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
+        std::vector<float> p(4 * width);
+        std::vector<float> acc(group * d);
+        for (int64_t item = b; item < e; ++item) {
+          int64_t r = item / hkv, kvh = item % hkv, first = (r * h + kvh * group) * d;
+          attend_group64(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * width, cn[r], width, sc,
+                         p.data(), acc.data(), static_cast<int>(group));
+          for (int64_t i = 0; i < group * d; ++i) op[first + i] = from_f<scalar_t>(acc[i]);
+        }
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, n * h, 1, [&](int64_t b, int64_t e) {
       std::vector<float> p(width);
       std::vector<float> acc(d);
@@ -356,13 +430,6 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
         int64_t r = item / h, j = item % h, kvh = j / group, len = cn[r];
         const float* qr = qp + item * d;
         const int64_t* rs = sl + r * width;
-#ifdef __AVX512F__
-        if (d == 64) {
-          attend_head64(qr, kc + kvh * d, vc + kvh * d, hkv * d, rs, len, sc, p.data(), acc.data());
-          for (int64_t i = 0; i < d; ++i) op[item * d + i] = from_f<scalar_t>(acc[i]);
-          continue;
-        }
-#endif
         for (int64_t t = 0; t < len; ++t) p[t] = dot(qr, kc + (rs[t] * hkv + kvh) * d, d) * sc;
         float m = p[0];
         for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
