@@ -4,12 +4,13 @@
 
 A profiler's per-op figures are inflated by its own overhead and miss what small ops cost in place (cold caches
 after a large matmul, dispatch), so this times the whole target forward plus LM head (in process, no HTTP, the
-served bfloat16/int4 weights) against the same step with the RMSNorms made identities, with attention skipped (the
-rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference is
-that work's cost inside a real step. It also times the step with the fused CPU kernels (worker/cpu_kernels.cpp)
-turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the linears on torch's int4
-kernel instead of `qlinear` (the same codes). The variants are run round-robin so machine noise spreads over all of
-them. Writes bench/results/step.json.
+served bfloat16/int4 weights; each layer one `decoder_layer` kernel call) against the same step with the layer's ops
+called one by one from Python ("unfused"), and, unfused, with the RMSNorms made identities, with attention skipped
+(the rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference
+from the unfused step is that work's cost inside a real step. It also times the step with the fused CPU kernels
+(worker/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the
+linears on torch's int4 kernel instead of `qlinear` (the same codes). The variants are run round-robin so machine
+noise spreads over all of them. Writes bench/results/step.json.
 """
 
 from __future__ import annotations
@@ -80,18 +81,28 @@ def main() -> None:
     real = (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
             cpu_kernels.ops(torch.device("cpu")))
 
+    def unfused() -> None:
+        model.FUSED_LAYERS = False
+
     def no_norm() -> None:
+        unfused()
         layers.RMSNorm.forward, layers.RMSNorm.after_add = _no_norm, _no_norm_after_add
 
     def no_attention() -> None:
+        unfused()
         model.attend, model.attend_rotated = _no_attention, _no_rotated_attention
+
+    def no_linears() -> None:
+        unfused()
+        layers.linear = _replayed_linear(real[4])
 
     variants = {
         "full step": lambda: None,
+        "unfused step": unfused,
         "eager ops": lambda: setattr(cpu_kernels, "_module", None),
         "without RMSNorm": no_norm,
         "without attention": no_attention,
-        "without linears": lambda: setattr(layers, "linear", _replayed_linear(real[4])),
+        "without linears": no_linears,
     }
 
     ours = {mod: mod.qweight for mod in runner.model.modules() if isinstance(getattr(mod, "qweight", None), QBlocks)}
@@ -102,6 +113,7 @@ def main() -> None:
     def restore() -> None:
         (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
          cpu_kernels._module) = real
+        model.FUSED_LAYERS = True
         for mod, w in ours.items():
             mod.qweight = w
 
@@ -127,10 +139,12 @@ def main() -> None:
                     restore()
             ms = {name: round(1000 * statistics.median(t), 2) for name, t in times.items()}
             full, eager, torch_int4 = ms.pop("full step"), ms.pop("eager ops"), ms.pop("torch int4", None)
-            parts = {name.removeprefix("without ") + " ms": round(full - v, 2) for name, v in ms.items()}
-            # the remainder: embedding, rotary, residual adds, SiLU, attention metadata, module dispatch
-            results[str(rows)] = ({"step ms": full, "eager step ms": eager, "torch int4 step ms": torch_int4} | parts
-                                  | {"rest ms": round(full - sum(parts.values()), 2)})
+            one_by_one = ms.pop("unfused step")
+            parts = {name.removeprefix("without ") + " ms": round(one_by_one - v, 2) for name, v in ms.items()}
+            # the remainder of the unfused step: embedding, rotary, residual adds, SiLU, attention metadata, dispatch
+            results[str(rows)] = ({"step ms": full, "unfused step ms": one_by_one, "eager step ms": eager,
+                                   "torch int4 step ms": torch_int4} | parts
+                                  | {"rest ms": round(one_by_one - sum(parts.values()), 2)})
             print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
     OUT.mkdir(exist_ok=True)
     out = provenance() | {"context": ctx, "unit": "ms, median; each part is the full step minus the step without it",

@@ -108,7 +108,8 @@ def prefix_table(d: dict) -> str:
 
 
 def step_table(d: dict) -> str:
-    steps = {"step ms": "step", "eager step ms": "step, eager ops", "torch int4 step ms": "step, torch int4"}
+    steps = {"step ms": "step", "unfused step ms": "step, layers unfused", "eager step ms": "step, eager ops",
+             "torch int4 step ms": "step, torch int4"}
     first = next(iter(d["rows"].values()))
     shown = [k for k in steps if first.get(k) is not None]
     parts = [k for k in first if k not in steps]
@@ -118,9 +119,10 @@ def step_table(d: dict) -> str:
     for n, r in d["rows"].items():
         rows.append(f"| {n} | " + " | ".join(f"{r[k]:.1f} ms" for k in shown + parts) + " |")
     return "\n".join([f"One target forward with its LM head behind {d['context']} cached tokens (bfloat16, int4): "
-                      "the step as served; with the eager torch ops in place of the fused CPU kernels; with torch's "
-                      "int4 kernel in place of `qlinear` (same codes); and what each part costs in place: the step "
-                      "minus the same step without it.", "", *rows, "", _source(d)])
+                      "the step as served (each layer one `decoder_layer` call); with each layer's ops called one by "
+                      "one from Python (unfused); with the eager torch ops in place of the fused CPU kernels; with "
+                      "torch's int4 kernel in place of `qlinear` (same codes); and what each part costs in place: the "
+                      "unfused step minus the same step without it.", "", *rows, "", _source(d)])
 
 
 def kernels_table(d: dict) -> str:

@@ -104,3 +104,37 @@ def test_bfloat16_models_cache_bfloat16_where_the_fused_kernels_attend():
     assert kv_cache_dtype(torch.bfloat16, cpu) == torch.bfloat16
     assert kv_cache_dtype(torch.float32, cpu) == torch.float32  # the float32 reference stays exact
     assert kv_cache_dtype(torch.bfloat16, cpu, "triton") == torch.float32  # the interpreter's path is unchanged
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows):
+    """cpu_kernels.decoder_layer runs a whole quantized layer in one call: the hidden states and the KV it writes
+    must be exactly those of the layer's ops called one by one from Python."""
+    import worker.model as model
+    from worker.attention import SeqSlice
+    from worker.config import EngineConfig
+    from worker.dist import TPGroup
+    from worker.model_files import resolve_model
+    from worker.runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=1024), resolve_model(str(smol_dir)),
+                         TPGroup(0, 1, torch.device("cpu")))
+    ctx, table = 40, list(range(8))
+    with torch.inference_mode():
+        runner.run_model(list(range(100, 100 + ctx)), list(range(ctx)), [SeqSlice(0, ctx, table)])
+        assert runner.model.layers[0].fused_weights(K, torch.zeros(1, 1, dtype=torch.bfloat16)) is not None
+        before = [(k.clone(), v.clone()) for k, v in runner.kv]
+        out = {}
+        for fused in (True, False):
+            model.FUSED_LAYERS = fused
+            try:
+                for (k, v), (k0, v0) in zip(runner.kv, before):
+                    k.copy_(k0)
+                    v.copy_(v0)
+                hidden, _, _ = runner.run_model([7 + r for r in range(rows)], list(range(ctx, ctx + rows)),
+                                                [SeqSlice(ctx, rows, table)])
+                out[fused] = (hidden, [(k.clone(), v.clone()) for k, v in runner.kv])
+            finally:
+                model.FUSED_LAYERS = True
+    assert torch.equal(out[True][0], out[False][0])
+    assert all(torch.equal(a, b) for pa, pb in zip(out[True][1], out[False][1]) for a, b in zip(pa, pb))
