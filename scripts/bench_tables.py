@@ -33,9 +33,12 @@ def spec_table(d: dict) -> str:
             f"{first['plain_tok_s'] / lc:.2f}x | | 1.00 | |" if lc else
             f"| plain decode | {first['plain_tok_s']:.1f} | 1.00x | | | 1.00 | |"]
     for r in d["settings"]:
-        name = "**default serve**" if r.get("variant", "default") == "default" and r is first else r["label"]
+        if r is first:
+            name = f"**default serve** ({r['label']})"
+        else:  # later settings are measured against a plain run of their own, alternating with them
+            name = f"{r['label']} (its plain run: {r['plain_tok_s']:.1f} tok/s)"
         vs_lc = f"{r['spec_tok_s'] / lc:.2f}x" if lc else ""
-        rows.append(f"| {name} ({r['label']}) | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {vs_lc} | "
+        rows.append(f"| {name} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {vs_lc} | "
                     f"{r['tau']:.2f} | {r.get('tokens_per_step', 0):.2f} | {r['identical']}/{r['n']} |")
     if lc:
         rows.append(f"| llama.cpp (same GGUF, 2 threads) | {lc:.1f} | | 1.00x | | | |")

@@ -29,6 +29,10 @@ MAX_MATCH = 16  # tokens of the sequence's end compared at most
 # unanimous next token was the target's 53-89% of the time (more with more occurrences), one of a 50-80% majority 20-34%
 MIN_SHARE = 0.8
 PAD = -1  # between answers and around the corpus: never equal to a token, so no match or chain crosses it
+# the default model's self-distilled answers, committed by training/distill.py (CPU) and its GPU runner; read as
+# files, so serving does not import the training package
+_ROOT = Path(__file__).resolve().parent.parent
+DISTILLED_ANSWERS = (_ROOT / "training" / "distilled", _ROOT / "training" / "distilled-gpu")
 
 
 class Corpus:
@@ -111,12 +115,8 @@ def corpus_folders(config: EngineConfig) -> list[Path]:
     choice = config.spec.corpus
     if choice == "off":
         return []
-    if choice == "auto":
-        if config.model_path != DEFAULT_MODEL:  # the committed answers are that model's own
-            return []
-        from training.distill import DISTILLED, DISTILLED_GPU
-
-        return [DISTILLED, DISTILLED_GPU]
+    if choice == "auto":  # the committed answers are the default model's own
+        return list(DISTILLED_ANSWERS) if config.model_path == DEFAULT_MODEL else []
     return [Path(choice)]
 
 

@@ -51,6 +51,17 @@ def test_corpus_draft_follows_the_longest_match_while_its_occurrences_agree():
     assert c.draft([2, 3, 4, 4], 4) == ([], 0) and c.draft([4, 5], 4) == ([], 0)
 
 
+def test_the_default_corpus_is_the_committed_distilled_answers():
+    from speculative.corpus import DISTILLED_ANSWERS, corpus_folders
+    from training.distill import DISTILLED, DISTILLED_GPU
+
+    assert DISTILLED_ANSWERS == (DISTILLED.resolve(), DISTILLED_GPU.resolve())
+    spec = default_spec_config()
+    assert corpus_folders(EngineConfig(spec=spec)) == list(DISTILLED_ANSWERS)
+    assert corpus_folders(EngineConfig(model_path="/elsewhere/model.gguf", spec=spec)) == []  # not its answers
+    assert corpus_folders(EngineConfig(spec=dataclasses.replace(spec, corpus="off"))) == []
+
+
 def test_choose_verifies_what_pays_and_nothing_else():
     cands = [Candidate(0.9, 0, budget.EAGLE, 0), Candidate(0.5, 0, budget.CONTEXT, 0),
              Candidate(0.05, 0, budget.EAGLE, 1)]
