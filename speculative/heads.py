@@ -18,7 +18,17 @@ from torch import nn
 from worker.attention import AttentionMetadata
 from worker.dist import TPGroup
 from worker.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding
-from worker.model import MLP, Attention, CausalLM, DecoderLayer, layer_param_map, rope_dtype
+from worker.model import (
+    MLP,
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    fused_args,
+    fused_step_kernels,
+    fused_weights,
+    layer_param_map,
+    rope_dtype,
+)
 from worker.model_config import ModelConfig
 from worker.model_files import ModelLoadError
 from worker.weights import load_weights
@@ -117,6 +127,10 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, feats, rope, k_cache, v_cache, meta):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)
+        kernels = fused_step_kernels(feats, meta)
+        fused = fused_weights(self, kernels, feats.dtype) if kernels is not None else None
+        if fused is not None:  # the rest of the layer in one call, as the target's layers (worker/model.py)
+            return kernels.layer_after_norm(fused, feats, x, *fused_args(feats, rope, k_cache, v_cache, meta))
         h, normed = self.post_attention_layernorm.after_add(feats, self.self_attn(x, rope, k_cache, v_cache, meta))
         return h + self.mlp(normed)
 

@@ -122,7 +122,7 @@ def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows):
     ctx, table = 40, list(range(8))
     with torch.inference_mode():
         runner.run_model(list(range(100, 100 + ctx)), list(range(ctx)), [SeqSlice(0, ctx, table)])
-        assert runner.model.layers[0].fused_weights(K, torch.zeros(1, 1, dtype=torch.bfloat16)) is not None
+        assert model.fused_weights(runner.model.layers[0], K, torch.bfloat16) is not None
         before = [(k.clone(), v.clone()) for k, v in runner.kv]
         out = {}
         for fused in (True, False):

@@ -276,3 +276,22 @@ def test_draft_head_runs_int8_beside_a_quantized_target():
         a, b = dense.logits(x), head.logits(x)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert ((a - b).abs().max() / a.abs().max()) < 0.05
+    # the quantized draft layer runs as one kernel call (worker/model.py) with the bits of its ops called one by one
+    import worker.model as model_mod
+    from worker.attention import SeqSlice, build_attention_metadata
+
+    meta = build_attention_metadata([SeqSlice(10, 3, list(range(16)))], 16, torch.device("cpu"), "torch")
+    ids, pos, feats = torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]), torch.randn(3, 576, generator=g).bfloat16()
+    fresh = [torch.randn(256, head.kv_local, head.head_dim, generator=g).bfloat16() for _ in range(2)]
+    runs = {}
+    with torch.inference_mode():
+        assert model_mod.fused_weights(head.midlayer, ops, torch.bfloat16) is not None
+        for fused in (True, False):
+            model_mod.FUSED_LAYERS = fused
+            try:
+                kv = tuple(t.clone() for t in fresh)
+                runs[fused] = (head(ids, feats, pos, kv, meta), kv)
+            finally:
+                model_mod.FUSED_LAYERS = True
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))

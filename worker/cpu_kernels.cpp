@@ -671,17 +671,26 @@ struct LayerWeights {
   double scale;
 };
 
-torch::Tensor decoder_layer(const LayerWeights& w, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                            torch::Tensor row_slots, torch::Tensor row_counts) {
+// The layer after its input norm: h is the attention's input, x the residual stream it adds to (the same tensor
+// normed in a Llama layer; in EAGLE-3's draft layer, the fused feature while h is [norm(embedding) ; norm(feature)]).
+torch::Tensor layer_after_norm(const LayerWeights& w, torch::Tensor x, torch::Tensor h, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slot_mapping, torch::Tensor row_slots, torch::Tensor row_counts) {
   int64_t n = x.size(0), d = w.head_dim, qs = w.heads * d, kvs = w.kv_heads * d;
-  auto qkv = w.qkv(rms_norm(x, w.input_norm, w.eps));
+  auto qkv = w.qkv(h);
   auto q = rope_write_cache(qkv.narrow(1, 0, qs).view({n, w.heads, d}), qkv.narrow(1, qs, kvs).view({n, w.kv_heads, d}),
                             qkv.narrow(1, qs + kvs, kvs).view({n, w.kv_heads, d}), cos, sin, k_cache, v_cache,
                             slot_mapping);
   auto att = attend_rows(q, k_cache, v_cache, row_slots, row_counts, w.scale, x.scalar_type());
   auto normed = add_rms_norm(x, w.o(att.reshape({n, qs})), w.post_norm, w.eps);
   return normed[0] + w.down(silu_mul(w.gate_up(normed[1])));
+}
+
+torch::Tensor decoder_layer(const LayerWeights& w, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                            torch::Tensor row_slots, torch::Tensor row_counts) {
+  return layer_after_norm(w, x, rms_norm(x, w.input_norm, w.eps), cos, sin, k_cache, v_cache, slot_mapping,
+                          row_slots, row_counts);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -691,6 +700,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, QWeight, QWeight, QWeight, QWeight, int64_t, int64_t,
                           int64_t, double>());
   m.def("decoder_layer", &decoder_layer);
+  m.def("layer_after_norm", &layer_after_norm);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);

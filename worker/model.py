@@ -70,6 +70,48 @@ def MLP(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> GatedMLP:  # noqa:
 FUSED_LAYERS = True  # bench/step.py turns this off to time the ops of a layer one kind at a time
 
 
+def fused_step_kernels(x: torch.Tensor, meta: AttentionMetadata):
+    """cpu_kernels where a layer may run as one call this step (every row attends row-wise: decode, verify, short
+    chunks), else None."""
+    rows, kernels = meta.row_index, cpu_kernels.ops(x.device)
+    if FUSED_LAYERS and kernels is not None and meta.paged is None and rows is not None and rows.numel() == x.shape[0]:
+        return kernels
+    return None
+
+
+def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
+    """A layer's weights for cpu_kernels' one-call layer, built on first use (again if a weight is swapped), or None
+    where the layer is not a quantized Llama-style layer on one rank (`input_layernorm`, `self_attn`,
+    `post_attention_layernorm`, a gated `mlp`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mods = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    key = tuple(getattr(m, "qweight", None) for m in mods)
+    cached = getattr(layer, "_fused", None)
+    if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+        return cached[1]
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    usable = (isinstance(mlp, GatedMLP) and attn.qkv_proj.tp.size == 1
+              and not hasattr(attn, "q_norm") and all(isinstance(n, RMSNorm) for n in norms)
+              and all(isinstance(w, QBlocks) and w.kernel is kernels.qlinear for w in key)
+              and all(m.bias is None for m in mods) and norms[0].weight.dtype == dtype == norms[1].weight.dtype)
+    fused = None
+    if usable:
+        p = attn.qkv_proj
+        qw = [kernels.QWeight(w.codes, w.scale_offset, w.bits, w.out_features) for w in key]
+        fused = kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].eps, *qw, p.q_size // attn.head_dim,
+                                     p.kv_size // attn.head_dim, attn.head_dim, attn.scale)
+    layer._fused = (key, fused)  # (the weights it was built from, cpu_kernels.LayerWeights)
+    return fused
+
+
+def fused_args(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata) -> tuple:
+    """The per-step arguments of cpu_kernels.decoder_layer / layer_after_norm after the weights and inputs."""
+    n = x.shape[0]
+    return (rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache, meta.slot_mapping, meta.row_kv_slots,
+            meta.row_counts)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, input_norm: bool = True,
                  moe: SparseMoE | None = None):
@@ -79,42 +121,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = moe if moe is not None else MLP(cfg, tp, dtype)
-        self._fused: tuple[tuple, object] | None = None  # (the weights it was built from, cpu_kernels.LayerWeights)
 
     def forward(self, x, rope, k_cache, v_cache, meta):
-        rows, kernels = meta.row_index, cpu_kernels.ops(x.device)
-        if FUSED_LAYERS and kernels is not None and meta.paged is None and rows is not None \
-                and rows.numel() == x.shape[0]:
-            fused = self.fused_weights(kernels, x)
-            if fused is not None:  # a decode or verify step on one rank: the whole layer in one kernel call
-                n = x.shape[0]
-                return kernels.decoder_layer(fused, x, rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache,
-                                             meta.slot_mapping, meta.row_kv_slots, meta.row_counts)
+        kernels = fused_step_kernels(x, meta)
+        fused = fused_weights(self, kernels, x.dtype) if kernels is not None else None
+        if fused is not None:  # a decode or verify step on one rank: the whole layer in one kernel call
+            return kernels.decoder_layer(fused, x, *fused_args(x, rope, k_cache, v_cache, meta))
         delta = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         x, h = self.post_attention_layernorm.after_add(x, delta)
         return x + self.mlp(h)
-
-    def fused_weights(self, kernels, x: torch.Tensor):
-        """This layer's weights for cpu_kernels.decoder_layer, built on first use (and again if a weight is swapped);
-        None where the layer is not the plain quantized Llama layer that kernel runs on one rank."""
-        attn, mlp = self.self_attn, self.mlp
-        mods = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-        key = tuple(getattr(m, "qweight", None) for m in mods)
-        if self._fused is not None and all(a is b for a, b in zip(self._fused[0], key)):
-            return self._fused[1]
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        usable = (isinstance(mlp, GatedMLP) and attn.qkv_proj.tp.size == 1
-                  and not hasattr(attn, "q_norm") and all(isinstance(n, RMSNorm) for n in norms)
-                  and all(isinstance(w, QBlocks) and w.kernel is kernels.qlinear for w in key)
-                  and all(m.bias is None for m in mods) and norms[0].weight.dtype == x.dtype == norms[1].weight.dtype)
-        fused = None
-        if usable:
-            p = attn.qkv_proj
-            qw = [kernels.QWeight(w.codes, w.scale_offset, w.bits, w.out_features) for w in key]
-            fused = kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].eps, *qw, p.q_size // attn.head_dim,
-                                         p.kv_size // attn.head_dim, attn.head_dim, attn.scale)
-        self._fused = (key, fused)
-        return fused
 
 
 class CausalLM(nn.Module):
