@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -64,7 +65,7 @@ class Corpus:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")  # engines starting together each write their own
         np.savez(tmp, tokens=self.tokens, keys=self.keys, ends=self.ends, bits=self.bits, key_len=self.key_len)
         tmp.replace(path)
 

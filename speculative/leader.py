@@ -91,7 +91,7 @@ class SpecLeader(Leader):
         if cost is not None:
             cands = [budget.context_candidates(b, len(ids), est.context_p(key)) for b, (ids, key) in enumerate(found)]
             kind, counts = budget.plan_step(est, cost, cands, spec.num_draft_tokens - 1)
-            found = [(ids[:c], n) for (ids, n), c in zip(found, counts)]
+            found = [(ids[:c], key) for (ids, key), c in zip(found, counts)]
             est.chose(kind, len(seqs))
             if kind == budget.PLAIN:
                 self._count_step(kind)
