@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +36,21 @@ _ROOT = Path(__file__).resolve().parent.parent
 DISTILLED_ANSWERS = (_ROOT / "training" / "distilled", _ROOT / "training" / "distilled-gpu")
 
 
+def answer_shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("answers-*.jsonl.gz"))
+
+
+def answer_records(shards: Iterable[Path]) -> Iterator[dict]:
+    """The records of distilled-answer shards in order: {"i": conversation, "ids": answer token ids[, "turn": t]}."""
+    for shard in shards:
+        with gzip.open(shard, "rt") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
 class Corpus:
-    def __init__(self, answers: Iterable[list[int]] = (), arrays: dict[str, np.ndarray] | None = None):
-        if arrays is not None:  # from the cache (save)
-            self.tokens, self.keys, self.ends = arrays["tokens"], arrays["keys"], arrays["ends"]
-            self.bits, self.key_len = int(arrays["bits"]), int(arrays["key_len"])
-            return
+    def __init__(self, answers: Iterable[list[int]]):
         parts = [np.full(MAX_MATCH, PAD, dtype=np.int32)]
         for ids in answers:
             parts += [np.asarray(ids, dtype=np.int32), np.full(1, PAD, dtype=np.int32)]
@@ -68,6 +77,14 @@ class Corpus:
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")  # engines starting together each write their own
         np.savez(tmp, tokens=self.tokens, keys=self.keys, ends=self.ends, bits=self.bits, key_len=self.key_len)
         tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Corpus:
+        corpus = cls.__new__(cls)
+        with np.load(path) as a:
+            corpus.tokens, corpus.keys, corpus.ends = a["tokens"], a["keys"], a["ends"]
+            corpus.bits, corpus.key_len = int(a["bits"]), int(a["key_len"])
+        return corpus
 
     @property
     def num_tokens(self) -> int:
@@ -124,7 +141,7 @@ def corpus_folders(config: EngineConfig) -> list[Path]:
 def load_corpus(config: EngineConfig) -> Corpus | None:
     """Rank 0's corpus: built from every answer (any turn) in the folders' answers-*.jsonl.gz shards, cached by their
     contents under EAGLEGATE_HOME (a build reads 2.3M tokens of JSON: about 1.5 s; the cache about 0.05 s)."""
-    shards = sorted(p for folder in corpus_folders(config) for p in folder.glob("answers-*.jsonl.gz"))
+    shards = [p for folder in corpus_folders(config) for p in answer_shards(folder)]
     if not shards:
         if config.spec.corpus not in ("auto", "off"):
             raise ValueError(f"--speculative-corpus {config.spec.corpus}: no answers-*.jsonl.gz there")
@@ -134,17 +151,8 @@ def load_corpus(config: EngineConfig) -> Corpus | None:
         digest.update(p.read_bytes())
     cached = eaglegate_home() / "corpus" / f"{digest.hexdigest()[:20]}.npz"
     if cached.exists():
-        with np.load(cached) as arrays:
-            return Corpus(arrays={k: arrays[k] for k in arrays.files})
-
-    def answers():
-        for p in shards:
-            with gzip.open(p, "rt") as f:
-                for line in f:
-                    if line.strip():
-                        yield json.loads(line)["ids"]
-
-    corpus = Corpus(answers())
+        return Corpus.load(cached)
+    corpus = Corpus(rec["ids"] for rec in answer_records(shards))
     try:
         corpus.save(cached)
     except OSError as e:  # a read-only home still serves, rebuilding each start

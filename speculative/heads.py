@@ -24,8 +24,7 @@ from worker.model import (
     CausalLM,
     DecoderLayer,
     fused_args,
-    fused_step_kernels,
-    fused_weights,
+    fused_layer,
     layer_param_map,
     rope_dtype,
 )
@@ -127,10 +126,10 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, feats, rope, k_cache, v_cache, meta):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)
-        kernels = fused_step_kernels(feats, meta)
-        fused = fused_weights(self, kernels, feats.dtype) if kernels is not None else None
+        fused = fused_layer(self, feats, meta)
         if fused is not None:  # the rest of the layer in one call, as the target's layers (worker/model.py)
-            return kernels.layer_after_norm(fused, feats, x, *fused_args(feats, rope, k_cache, v_cache, meta))
+            kernels, weights = fused
+            return kernels.layer_after_norm(weights, feats, x, *fused_args(feats, rope, k_cache, v_cache, meta))
         h, normed = self.post_attention_layernorm.after_add(feats, self.self_attn(x, rope, k_cache, v_cache, meta))
         return h + self.mlp(normed)
 

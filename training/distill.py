@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from speculative.corpus import answer_records, answer_shards
 from worker.config import DEFAULT_MODEL, EngineConfig
 from worker.model_files import GGUF_NAME, GGUF_SHA256, resolve_model
 
@@ -44,15 +45,7 @@ def manifest(args) -> dict:
 def read_answers(folder: Path = DISTILLED, turn: int = 1) -> dict[int, list[int]]:
     """Every committed answer to a conversation's turn-th human message, by conversation index (records without a
     "turn" field answer the first)."""
-    out: dict[int, list[int]] = {}
-    for shard in sorted(folder.glob("answers-*.jsonl.gz")):
-        with gzip.open(shard, "rt") as f:
-            for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    if rec.get("turn", 1) == turn:
-                        out[rec["i"]] = rec["ids"]
-    return out
+    return {rec["i"]: rec["ids"] for rec in answer_records(answer_shards(folder)) if rec.get("turn", 1) == turn}
 
 
 def read_all_answers(turn: int = 1) -> dict[int, list[int]]:
@@ -62,7 +55,7 @@ def read_all_answers(turn: int = 1) -> dict[int, list[int]]:
 
 def _append(folder: Path, records: list[dict]) -> None:
     """Append to the newest shard (a gzip file may hold several members), starting a new one when it is full."""
-    shards = sorted(folder.glob("answers-*.jsonl.gz"))
+    shards = answer_shards(folder)
     lines = 0
     if shards:
         with gzip.open(shards[-1], "rt") as f:

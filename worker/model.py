@@ -70,25 +70,27 @@ def MLP(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> GatedMLP:  # noqa:
 FUSED_LAYERS = True  # bench/step.py turns this off to time the ops of a layer one kind at a time
 
 
-def fused_step_kernels(x: torch.Tensor, meta: AttentionMetadata):
-    """cpu_kernels where a layer may run as one call this step (every row attends row-wise: decode, verify, short
-    chunks), else None."""
+def fused_layer(layer: nn.Module, x: torch.Tensor, meta: AttentionMetadata):
+    """(cpu_kernels, the layer's weights) where the layer runs as one call this step (every row attends row-wise:
+    decode, verify, short chunks), else None."""
     rows, kernels = meta.row_index, cpu_kernels.ops(x.device)
-    if FUSED_LAYERS and kernels is not None and meta.paged is None and rows is not None and rows.numel() == x.shape[0]:
-        return kernels
-    return None
+    if not (FUSED_LAYERS and kernels is not None and meta.paged is None and rows is not None
+            and rows.numel() == x.shape[0]):
+        return None
+    weights = fused_weights(layer, kernels, x.dtype)
+    return None if weights is None else (kernels, weights)
 
 
 def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
     """A layer's weights for cpu_kernels' one-call layer, built on first use (again if a weight is swapped), or None
     where the layer is not a quantized Llama-style layer on one rank (`input_layernorm`, `self_attn`,
     `post_attention_layernorm`, a gated `mlp`)."""
+    cached = layer.__dict__.get("_fused")  # (its linears, their weights then, LayerWeights): a hot path, plain reads
+    if cached is not None and all(getattr(m, "qweight", None) is w for m, w in zip(cached[0], cached[1])):
+        return cached[2]
     attn, mlp = layer.self_attn, layer.mlp
     mods = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     key = tuple(getattr(m, "qweight", None) for m in mods)
-    cached = getattr(layer, "_fused", None)
-    if cached is not None and all(a is b for a, b in zip(cached[0], key)):
-        return cached[1]
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     usable = (isinstance(mlp, GatedMLP) and attn.qkv_proj.tp.size == 1
               and not hasattr(attn, "q_norm") and all(isinstance(n, RMSNorm) for n in norms)
@@ -100,7 +102,7 @@ def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
         qw = [kernels.QWeight(w.codes, w.scale_offset, w.bits, w.out_features) for w in key]
         fused = kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].eps, *qw, p.q_size // attn.head_dim,
                                      p.kv_size // attn.head_dim, attn.head_dim, attn.scale)
-    layer._fused = (key, fused)  # (the weights it was built from, cpu_kernels.LayerWeights)
+    layer._fused = (mods, key, fused)
     return fused
 
 
@@ -123,10 +125,10 @@ class DecoderLayer(nn.Module):
         self.mlp = moe if moe is not None else MLP(cfg, tp, dtype)
 
     def forward(self, x, rope, k_cache, v_cache, meta):
-        kernels = fused_step_kernels(x, meta)
-        fused = fused_weights(self, kernels, x.dtype) if kernels is not None else None
+        fused = fused_layer(self, x, meta)
         if fused is not None:  # a decode or verify step on one rank: the whole layer in one kernel call
-            return kernels.decoder_layer(fused, x, *fused_args(x, rope, k_cache, v_cache, meta))
+            kernels, weights = fused
+            return kernels.decoder_layer(weights, x, *fused_args(x, rope, k_cache, v_cache, meta))
         delta = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         x, h = self.post_attention_layernorm.after_add(x, delta)
         return x + self.mlp(h)
