@@ -65,7 +65,7 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
     die_with_parent()
     local = config.local_tp_size
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local))
-    outbox = tp = None
+    ctx = outbox = tp = None
     try:
         if rank == 0:
             import zmq
@@ -100,6 +100,13 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
                 json.dump(tp.trace, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+    if ctx is not None:
+        ctx.destroy(linger=2000)  # deliver the last report before exiting
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: a gloo worker thread may still be freeing its last broadcast's tensors, and
+    # taking the GIL from a finalising interpreter aborts the process (seen as exit -6 on follower ranks).
+    os._exit(0)
 
 
 def _agree(config: EngineConfig, source, tp: TPGroup) -> None:

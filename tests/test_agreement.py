@@ -135,8 +135,8 @@ def test_agreeing_nodes_serve_and_stop_together(tiny_llama):
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         node0.proc.send_signal(15)
-        assert node0.proc.wait(timeout=30) == 0
-        assert node1.proc.wait(timeout=30) == 0
+        assert node0.proc.wait(timeout=30) == 0, node0.output()
+        assert node1.proc.wait(timeout=30) == 0, node1.output()
     finally:
         node0.kill()
         node1.kill()
