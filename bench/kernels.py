@@ -61,6 +61,15 @@ def main() -> None:
     if ops is not None and ops.qlinear_fast():
         kernels["qlinear int4"] = ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run)
         kernels["qlinear int8"] = ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run)
+        if ops.qlinear_amx():  # several rows go to AMX tiles by default; time the dot-product path beside them
+            def vector_only(x, w):
+                ops.set_qlinear_amx(False)
+                try:
+                    return run(x, w)
+                finally:
+                    ops.set_qlinear_amx(True)
+
+            kernels["qlinear int4 (no AMX)"] = (kernels["qlinear int4"][0], kernels["qlinear int4"][1], vector_only)
     else:
         print("qlinear's AVX512-BF16 path is not built on this machine: timing the other kernels only")
     kernels |= {

@@ -9,7 +9,8 @@ called one by one from Python ("unfused"), and, unfused, with the RMSNorms made 
 (the rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference
 from the unfused step is that work's cost inside a real step. It also times the step with the fused CPU kernels
 (worker/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the
-linears on torch's int4 kernel instead of `qlinear` (the same codes). The variants are run round-robin so machine
+linears on torch's int4 kernel instead of `qlinear` (the same codes), and, where the CPU has AMX tiles, with steps of
+several rows kept on qlinear's dot-product path ("no AMX"). The variants are run round-robin so machine
 noise spreads over all of them. Writes bench/results/step.json.
 """
 
@@ -109,11 +110,16 @@ def main() -> None:
     theirs = {mod: pack_int4(w.qtensor(), w.dtype) for mod, w in ours.items()}
     if ours:
         variants["torch int4"] = lambda: [setattr(mod, "qweight", w) for mod, w in theirs.items()]
+    kernels = real[5]
+    if kernels is not None and kernels.qlinear_amx():  # steps of several rows run on AMX tiles unless turned off
+        variants["no AMX"] = lambda: kernels.set_qlinear_amx(False)
 
     def restore() -> None:
         (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
          cpu_kernels._module) = real
         model.FUSED_LAYERS = True
+        if kernels is not None and kernels.qlinear_amx():
+            kernels.set_qlinear_amx(True)
         for mod, w in ours.items():
             mod.qweight = w
 
@@ -139,11 +145,12 @@ def main() -> None:
                     restore()
             ms = {name: round(1000 * statistics.median(t), 2) for name, t in times.items()}
             full, eager, torch_int4 = ms.pop("full step"), ms.pop("eager ops"), ms.pop("torch int4", None)
+            no_amx = ms.pop("no AMX", None)
             one_by_one = ms.pop("unfused step")
             parts = {name.removeprefix("without ") + " ms": round(one_by_one - v, 2) for name, v in ms.items()}
             # the remainder of the unfused step: embedding, rotary, residual adds, SiLU, attention metadata, dispatch
             results[str(rows)] = ({"step ms": full, "unfused step ms": one_by_one, "eager step ms": eager,
-                                   "torch int4 step ms": torch_int4} | parts
+                                   "torch int4 step ms": torch_int4, "no AMX step ms": no_amx} | parts
                                   | {"rest ms": round(one_by_one - sum(parts.values()), 2)})
             print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
     OUT.mkdir(exist_ok=True)

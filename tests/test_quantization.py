@@ -148,6 +148,33 @@ def test_pack_keeps_scales_float16_cannot_hold_on_torchs_kernel():
     assert isinstance(pack(quantize_rtn(w * 1e-7, 4)), Int4Weight)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlinear_amx_tiles_and_dot_products_each_keep_a_rows_bits(bits):
+    """Where the CPU has AMX tiles qlinear runs every row count on them, else on AVX512-BF16 dot products. Each path
+    must give a row the same bits whatever rows run beside it (up to 16 rows share a tile; row 17 starts another),
+    and the two must agree to float32 rounding."""
+    ops = cpu_kernels.ops(torch.device("cpu"))
+    if ops is None or not ops.qlinear_amx():
+        pytest.skip("no AMX tiles on this CPU (or the kernel did not grant them)")
+    g = torch.Generator().manual_seed(10 + bits)
+    packed = pack_blocks(quantize_rtn(torch.randn(200, 512, generator=g) * 0.05, bits), torch.bfloat16)
+    x = torch.randn(20, 512, generator=g) * torch.logspace(-6, 3, 20).unsqueeze(1)
+    x[3] = 0
+    x = x.bfloat16()
+    run = _qlinear(False)
+    out = {}
+    for amx in (True, False):
+        ops.set_qlinear_amx(amx)
+        try:
+            out[amx] = run(x, packed)
+            assert all(torch.equal(run(x[i : i + 1], packed), out[amx][i : i + 1]) for i in range(20))
+            assert torch.equal(run(x[14:19], packed), out[amx][14:19])
+        finally:
+            ops.set_qlinear_amx(True)
+    diff = (out[True].float() - out[False].float()).abs()
+    assert (diff <= out[False].float().abs() * 2.0**-7 + 1e-30).all()
+
+
 def test_qlinear_refuses_a_mismatched_layout():
     run = _qlinear(False)
     packed = pack_blocks(quantize_rtn(torch.randn(32, 64), 4), torch.bfloat16)
