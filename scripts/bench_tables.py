@@ -112,7 +112,7 @@ def prefix_table(d: dict) -> str:
 
 def step_table(d: dict) -> str:
     steps = {"step ms": "step", "unfused step ms": "step, layers unfused", "eager step ms": "step, eager ops",
-             "torch int4 step ms": "step, torch int4"}
+             "torch int4 step ms": "step, torch int4", "no AMX step ms": "step, `qlinear` without AMX"}
     first = next(iter(d["rows"].values()))
     shown = [k for k in steps if first.get(k) is not None]
     parts = [k for k in first if k not in steps]
@@ -124,14 +124,17 @@ def step_table(d: dict) -> str:
     return "\n".join([f"One target forward with its LM head behind {d['context']} cached tokens (bfloat16, int4): "
                       "the step as served (each layer one `decoder_layer` call); with each layer's ops called one by "
                       "one from Python (unfused); with the eager torch ops in place of the fused CPU kernels; with "
-                      "torch's int4 kernel in place of `qlinear` (same codes); and what each part costs in place: the "
+                      "torch's int4 kernel in place of `qlinear` (same codes); where the CPU has AMX, with `qlinear` "
+                      "on its dot-product path; and what each part costs in place: the "
                       "unfused step minus the same step without it.", "", *rows, "", _source(d)])
 
 
 def kernels_table(d: dict) -> str:
-    cols = {"qlinear int4": "`qlinear` int4", "torch int4": "torch int4", "bfloat16 oneDNN": "oneDNN bfloat16",
+    cols = {"qlinear int4": "`qlinear` int4", "qlinear int4 (no AMX)": "`qlinear` int4 without AMX",
+            "torch int4": "torch int4", "bfloat16 oneDNN": "oneDNN bfloat16",
             "qlinear int8 LM head": "LM head, int8: `qlinear`",
             "torch int8 (two int4 planes) LM head": "LM head, int8: torch, two int4 planes"}
+    cols = {k: v for k, v in cols.items() if any(k in r for r in d["table"].values())}
     rows = ["| rows | " + " | ".join(cols.values()) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
     for n, r in d["table"].items():
         cells = [(f"{r[k]:.2f}" if "head" in k else f"{r[k]:.1f}") if k in r else "n/a" for k in cols]
