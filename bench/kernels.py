@@ -61,7 +61,7 @@ def main() -> None:
     if ops is not None and ops.qlinear_fast():
         kernels["qlinear int4"] = ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run)
         kernels["qlinear int8"] = ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run)
-        if ops.qlinear_amx():  # several rows go to AMX tiles by default; time the dot-product path beside them
+        if ops.qlinear_amx():  # every row count takes AMX tiles here; time the dot-product path beside them
             def vector_only(x, w):
                 ops.set_qlinear_amx(False)
                 try:

@@ -9,8 +9,8 @@ called one by one from Python ("unfused"), and, unfused, with the RMSNorms made 
 (the rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference
 from the unfused step is that work's cost inside a real step. It also times the step with the fused CPU kernels
 (worker/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the
-linears on torch's int4 kernel instead of `qlinear` (the same codes), and, where the CPU has AMX tiles, with steps of
-several rows kept on qlinear's dot-product path ("no AMX"). The variants are run round-robin so machine
+linears on torch's int4 kernel instead of `qlinear` (the same codes), and, where the CPU has AMX tiles, with `qlinear`
+on its dot-product path instead ("no AMX"). The variants are run round-robin so machine
 noise spreads over all of them. Writes bench/results/step.json.
 """
 
@@ -111,14 +111,15 @@ def main() -> None:
     if ours:
         variants["torch int4"] = lambda: [setattr(mod, "qweight", w) for mod, w in theirs.items()]
     kernels = real[5]
-    if kernels is not None and kernels.qlinear_amx():  # steps of several rows run on AMX tiles unless turned off
+    amx = kernels is not None and kernels.qlinear_amx()
+    if amx:  # every step runs on AMX tiles here unless they are turned off
         variants["no AMX"] = lambda: kernels.set_qlinear_amx(False)
 
     def restore() -> None:
         (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
          cpu_kernels._module) = real
         model.FUSED_LAYERS = True
-        if kernels is not None and kernels.qlinear_amx():
+        if amx:
             kernels.set_qlinear_amx(True)
         for mod, w in ours.items():
             mod.qweight = w

@@ -498,6 +498,13 @@ void qlinear_generic(const float* x, const float* xsum, int64_t m, int64_t k, co
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bfloat16 of the 4-bit codes 0..15, twice: bf16_pairs' lookup table
+inline __m512i code_lut() {
+  return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                          0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                          0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
+
 // The bfloat16 codes of input pairs 2p and 2p + 1 (4 bits) or pairs 2p, 2p + 1 (8 bits) for one block's 16 lanes.
 template <int BITS>
 inline void bf16_pairs(const uint8_t* c, int p, __m512i lut, __m512i& a, __m512i& b) {
@@ -562,10 +569,7 @@ inline void qlinear_block(const c10::BFloat16* x, const float* xsum, int64_t k, 
 template <int BITS, int R>
 void qlinear_rows(const c10::BFloat16* x, const float* xsum, int64_t k, const uint8_t* codes, const at::Half* sz,
                   int64_t b0, int64_t b1, float* y, int64_t n) {
-  const __m512i lut = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                       0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150,
-                                       0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
-                                       0x4000, 0x3f80, 0x0000);  // bfloat16 of 0..15, twice
+  const __m512i lut = code_lut();
   for (int64_t blk = b0; blk < b1; ++blk) qlinear_block<BITS, R>(x, xsum, k, codes, sz, blk, y, n, lut);
 }
 
@@ -592,18 +596,18 @@ void qlinear_avx512(const c10::BFloat16* x, const float* xsum, int64_t m, int64_
 }
 #endif
 
+bool g_use_amx = true;  // benchmarks and tests turn the tiles off to compare the two paths (a no-op without them)
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define EAGLEGATE_AMX 1
 // AMX: the tile unit takes a block-group (16 outputs x 32 inputs, one tile of input pairs) for up to 16 rows in one
 // TDPBF16PS, so a verify of several rows costs little more than one decode row, where the dot-product path pays per
-// row (2-core Xeon with AMX, 120 int4 linears of a SmolLM2 step: 1 row 4.2-4.8 ms against 5.0-5.5, 4 rows 5.4 against
-// 11.6). The codes are widened to bfloat16 into a 1 KiB tile buffer (the same exact values); each group's sums are
+// row (2-core Xeon with AMX, 120 int4 linears of a SmolLM2 step: 1 row 5.3 ms against 6.5, 4 rows 6.0 against 11.5,
+// 16 rows 8.3 against 26.9; bench/results/kernels.json). The codes are widened to bfloat16 into a 1 KiB tile buffer (the same exact values); each group's sums are
 // stored and scaled as in the vector path. Where the CPU has tiles every row count takes them: the tile unit's sums
 // agree with VDPBF16PS's on all but a few outputs in a thousand (an ulp), so mixing the two paths by row count would
 // let a verified row differ from the row decoded alone; within one path a row's bits never depend on the rows beside
 // it.
-bool g_use_amx = true;  // benchmarks and tests turn it off to compare the two paths
-
 bool amx_ready() {
   static const bool ok = [] {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // the kernel hands out tile state on request
@@ -633,10 +637,7 @@ template <int BITS>
 void qlinear_amx(const c10::BFloat16* x, const float* xsum, int64_t m, int64_t k, const uint8_t* codes,
                  const at::Half* sz, int64_t b0, int64_t b1, float* y, int64_t n) {
   const int64_t groups = k / QGROUP, gbytes = QGROUP * QBLOCK * BITS / 8, stride = k * sizeof(c10::BFloat16);
-  const __m512i lut = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                       0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150,
-                                       0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
-                                       0x4000, 0x3f80, 0x0000);
+  const __m512i lut = code_lut();
   // two groups in flight (tiles 0-2 and 3-5, a buffer each), so one group's tile work overlaps the other's
   alignas(64) __m512i wtile[2][QGROUP / 2];  // 16 input pairs x 16 outputs, bfloat16
   alignas(64) float sums[2][16 * QBLOCK];
@@ -746,7 +747,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
   return y.to(x.scalar_type());
 }
 
-// Whether qlinear runs steps of several rows on AMX tiles here (built for this CPU and granted by the kernel).
+// Whether qlinear runs on AMX tiles here (built for this CPU and granted by the kernel).
 bool qlinear_amx_usable() {
 #ifdef EAGLEGATE_AMX
   return amx_ready();
