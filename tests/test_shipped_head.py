@@ -47,9 +47,9 @@ def test_shipped_head_accepts_more_than_one_and_three_quarter_tokens_per_step(sm
         stats = eng.stats.values
     assert out == ref
     print(f"shipped head: accept length {stats['spec_accept_length_mean']:.2f} tokens per verify step")
-    # stage 5 measures 1.81 here, stage 4 1.82, stage 3 1.85 (float32 is deterministic); the floor of 2.0
-    # (0.5 above the old 1.5) is not met
-    assert stats["spec_accept_length_mean"] > 1.75
+    # stage 6 measures 1.85 here, stage 5 1.81, stage 4 1.82, stage 3 1.85 (float32 is deterministic); the issue's
+    # floor of 2.0 (0.5 above the old 1.5) is not met
+    assert stats["spec_accept_length_mean"] > 1.8
 
 
 def test_large_decode_batches_skip_speculation_when_asked(smol_engine):

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * progress(s))))
-    step, log = 0, []
+    step, log, trained_seconds = 0, [], 0.0
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False, map_location=args.device)
@@ -227,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         step, log, rng = state["step"], state["log"], state["rng"]
+        trained_seconds = state.get("seconds", 0.0)
         print(f"resumed from step {step}")
     start = evaluate(model, data, held, vocab_index, args)
     print(f"before training: held-out expected accept length {start['heldout_tau']:.3f}")
     bar = tqdm(total=total_steps, initial=step, desc="training", unit="step")
-    t0 = time.time()  # the time box counts training only, not the evaluation above
+    # the time box counts training only, not the evaluation above; a resumed run continues its box (and its cosine)
+    t0 = time.time() - trained_seconds
     while step < total_steps:
         for batch in batches(data, train, args.batch_size, True, rng, args.device):
             with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16_autocast):
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             log.append({"step": step, "loss": loss.item()})
             if step % args.checkpoint_every == 0 or step >= total_steps:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "log": log, "rng": rng}, ckpt)
+                            "step": step, "log": log, "rng": rng, "seconds": time.time() - t0}, ckpt)
                 log_curve(out, step, evaluate(model, data, held, vocab_index, args)["heldout_tau"], time.time() - t0)
                 # every checkpoint servable, so bench/spec_curve.py can measure accept length and speed along the way
                 export_head(model, cfg, draft_vocab, out / "heads" / f"step-{step:05d}", {"steps": step})
