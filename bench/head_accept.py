@@ -18,6 +18,7 @@ from pathlib import Path
 from provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import chat  # noqa: E402
 from test_shipped_head import QUESTIONS  # noqa: E402
 
 from runtime.engine import Engine  # noqa: E402
@@ -41,19 +42,13 @@ def fixed_tree(head: str):
         "--speculative-context-tokens", "0"]))
 
 
-def chat(engine: Engine, question: str) -> list[int]:
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                add_generation_prompt=True)
-    return engine.encode(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("heads", nargs="*", default=[str(DEFAULT_HEAD)])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "head_accept.json"))
     args = ap.parse_args()
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192)) as eng:
-        prompts = {k: [chat(eng, q) for q in qs] for k, (qs, _) in SETS.items()}
+        prompts = {k: [eng.encode(chat(eng, q)) for q in qs] for k, (qs, _) in SETS.items()}
         refs = {k: [r.token_ids for r in eng.generate(prompts[k], SamplingParams(max_new_tokens=n, temperature=0))]
                 for k, (_, n) in SETS.items()}
     results = []

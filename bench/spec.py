@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import multiprocessing
 import subprocess
@@ -128,9 +129,7 @@ def concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, concur
 def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
     """llama.cpp's single-stream tokens/s, measured in a child process: a crash there (llama-cpp-python 0.3.36's AMX
     buffers segfaulted on an AMX CPU) is reported and the figures measured before it are kept."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:

@@ -603,8 +603,8 @@ bool g_use_amx = true;  // benchmarks and tests turn the tiles off to compare th
 // AMX: the tile unit takes a block-group (16 outputs x 32 inputs, one tile of input pairs) for up to 16 rows in one
 // TDPBF16PS, so a verify of several rows costs little more than one decode row, where the dot-product path pays per
 // row (2-core Xeon with AMX, 120 int4 linears of a SmolLM2 step: 1 row 5.3 ms against 6.5, 4 rows 6.0 against 11.5,
-// 16 rows 8.3 against 26.9; bench/results/kernels.json). The codes are widened to bfloat16 into a 1 KiB tile buffer (the same exact values); each group's sums are
-// stored and scaled as in the vector path. Where the CPU has tiles every row count takes them: the tile unit's sums
+// 16 rows 8.3 against 26.9; bench/results/kernels.json). The codes are widened to bfloat16 into a 1 KiB tile buffer
+// (the same exact values); each group's sums are stored and scaled as in the vector path. Where the CPU has tiles every row count takes them: the tile unit's sums
 // agree with VDPBF16PS's on all but a few outputs in a thousand (an ulp), so mixing the two paths by row count would
 // let a verified row differ from the row decoded alone; within one path a row's bits never depend on the rows beside
 // it.
