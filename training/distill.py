@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if mpath.exists():
         old = json.loads(mpath.read_text())
         settings = {k: v for k, v in old.items() if k not in PER_TURN}
-        limits = old.get("max_prompt_tokens", {}) | limits
-        if settings != meta or old.get("max_prompt_tokens", {}).get(turn, args.max_prompt_tokens) != limits[turn]:
+        stored = old.get("max_prompt_tokens", {})
+        if settings != meta or stored.get(turn, args.max_prompt_tokens) != args.max_prompt_tokens:
             raise SystemExit(f"{mpath} was written with other settings; use another --out:\n{old}\n{meta}")
+        limits = stored | limits
     meta["max_prompt_tokens"] = limits
     done = read_answers(out, args.turn)
     answered = done | (read_answers(DISTILLED_GPU, args.turn) if out.resolve() == DISTILLED.resolve() else {})
