@@ -202,7 +202,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=None,
                     help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
     ap.add_argument("--concurrency", default="4,16")
-    ap.add_argument("--concurrency-rounds", type=int, default=2, help="plain-EAGLE-EAGLE-plain rounds per level")
+    ap.add_argument("--concurrency-rounds", type=int, default=4, help="plain-EAGLE-EAGLE-plain rounds per level")
     ap.add_argument("--disable-batch-size", type=int, default=None,
                     help="decode batches this large run plain steps (--speculative-disable-batch-size; default: "
                          "the served default)")
@@ -255,10 +255,13 @@ def main() -> None:
                             runs_s += [concurrent(spec, prompts, args.max_tokens, c) for _ in range(2)]
                             runs_p.append(concurrent(plain, prompts, args.max_tokens, c))
                         p_tps, s_tps = sum(runs_p) / len(runs_p), sum(runs_s) / len(runs_s)
-                        results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps,
-                                                          "plain_runs": runs_p, "spec_runs": runs_s}
+                        # each round's own ratio: what the machine's drift between rounds does not move
+                        rounds = [sum(runs_s[2 * i : 2 * i + 2]) / sum(runs_p[2 * i : 2 * i + 2])
+                                  for i in range(args.concurrency_rounds)]
+                        results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps, "plain_runs": runs_p,
+                                                          "spec_runs": runs_s, "round_ratios": rounds}
                         print(f"concurrency {c}: plain {p_tps:.1f} tok/s  EAGLE {s_tps:.1f} tok/s  "
-                              f"({s_tps / p_tps:.2f}x)", flush=True)
+                              f"({s_tps / p_tps:.2f}x; rounds {min(rounds):.2f}-{max(rounds):.2f}x)", flush=True)
     if args.identity_check:
         results["float32_identity"] = identity_check(draft, settings[0], questions[: args.identity_check],
                                                      args.max_tokens)

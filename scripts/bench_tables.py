@@ -57,7 +57,9 @@ def spec_table(d: dict) -> str:
     conc = {k: v for k, v in d.get("concurrency", {}).items() if k != "1"}
     if conc:
         out.append("Concurrency " + ", ".join(
-            f"{c}: plain {v['plain']:.1f}, default {v['spec']:.1f} tok/s ({v['spec'] / v['plain']:.2f}x)"
+            f"{c}: plain {v['plain']:.1f}, default {v['spec']:.1f} tok/s ({v['spec'] / v['plain']:.2f}x"
+            + (f"; its {len(v['round_ratios'])} rounds {min(v['round_ratios']):.2f}-{max(v['round_ratios']):.2f}x"
+               if "round_ratios" in v else "") + ")"
             for c, v in sorted(conc.items(), key=lambda kv: int(kv[0]))) + ".")
     if d.get("float32_identity"):
         f = d["float32_identity"]

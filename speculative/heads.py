@@ -160,11 +160,19 @@ class DraftHead(nn.Module):
     def target(self) -> CausalLM:
         return self._target[0]
 
-    def feature(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
-        """What the draft consumes per target position: the final hidden (EAGLE) or fused layers (EAGLE-3)."""
-        if self.kind == "eagle":
-            return hidden
-        return self.fc(torch.cat(aux, dim=-1))
+    @property
+    def stored_width(self) -> int:
+        return self.dcfg.layer.hidden_size * (1 if self.kind == "eagle" else 3)
+
+    def stored(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """What is kept per target position for the draft: the final hidden (EAGLE) or the low, middle and high
+        residual streams side by side (EAGLE-3). `fuse` applies EAGLE-3's fc only to the rows a draft reads, so a
+        step that does not draft (a large batch, a plain step rank 0 chose) pays a copy, not a matmul."""
+        return hidden if self.kind == "eagle" else torch.cat(aux, dim=-1)
+
+    def fuse(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored rows -> the feature the draft layer reads."""
+        return stored if self.kind == "eagle" else self.fc(stored)
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

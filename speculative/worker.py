@@ -74,9 +74,8 @@ class SpecWorker:
         shape = (slots, self.head.kv_local, self.head.head_dim)
         self.draft_kv = (torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
                          torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device))
-        h = runner.model_cfg.hidden_size
-        self.features = torch.zeros(slots, h, dtype=torch.float32 if tp.device.type == "cpu" else runner.dtype,
-                                    device=tp.device)
+        # the target's own activations, unfused and in its dtype: a lossless copy (heads.DraftHead.stored)
+        self.features = torch.zeros(slots, self.head.stored_width, dtype=runner.dtype, device=tp.device)
         runner.on_hidden = self._store_features
         self.bs, self.backend = runner.block_size, runner.attention_backend
         self.max_depth = self.spec.num_steps + self.spec.context_tokens  # longest path a verify tree can hold
@@ -123,7 +122,7 @@ class SpecWorker:
         return CostTable(tuple(rows), tuple(seconds))
 
     def _store_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
-        self.features.index_copy_(0, slot_mapping, self.head.feature(hidden, aux).to(self.features.dtype))
+        self.features.index_copy_(0, slot_mapping, self.head.stored(hidden, aux).to(self.features.dtype))
 
     # --- forwards ---------------------------------------------------------------------------------------
     def _draft_forward(self, ids: list[int], positions: list[int], feats: torch.Tensor,
@@ -166,7 +165,7 @@ class SpecWorker:
             slots += slots_of(q.block_table, span, self.bs)
             slices.append(SeqSlice(q.draft_cached, len(span), q.block_table))
             last.append(len(ids) - 1)
-        feats = self.features.index_select(0, torch.tensor(slots, device=self.tp.device))
+        feats = self.head.fuse(self.features.index_select(0, torch.tensor(slots, device=self.tp.device)))
         out, _ = self._draft_forward(ids, pos, feats, slices)
         root_hidden = out[torch.tensor(last, device=self.tp.device)]  # [B, h]
         logp = torch.log_softmax(self.head.logits(root_hidden), dim=-1)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from runtime.engine import Engine
 from worker.config import EngineConfig, SpecConfig
@@ -25,7 +27,8 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
         examples = tmp_path / "examples.pt"
         r = subprocess.run(cmd + ["--export-examples", str(examples)], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0 and examples.exists() and not (out / "data.pt").exists(), r.stderr[-2000:]
-        cmd += ["--bf16-autocast", "--examples", str(examples)]
+        # and EAGLE's soft labels: the target's top-K probabilities recorded beside the features
+        cmd += ["--bf16-autocast", "--examples", str(examples), "--soft-topk", "4"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "held-out expected accept length" in r.stdout
@@ -41,12 +44,43 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     # resumable: a second run with the checkpoint in place does no new steps and keeps the result
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r2.returncode == 0 and "resumed from step 4" in r2.stdout
+    if kind == "eagle3":
+        data = torch.load(out / "data.pt", weights_only=False, mmap=True)
+        assert data["soft_topk"] == 4 and len(data["soft_p"]) == len(data["seqs"])
+        first_p, first_ids = data["soft_p"][0].float(), data["soft_ids"][0]
+        assert first_p.shape == (len(data["seqs"][0]), 4) and (first_p[:, :-1] >= first_p[:, 1:]).all()
+        assert (first_ids[:, 0] == data["labels"][0]).all()  # the top choice is the greedy label
+        assert (first_p.sum(-1) <= 1.001).all()
+        # a cache recorded with soft labels is not silently trained on as hard labels (or the other way)
+        r3 = subprocess.run([c for c in cmd if c not in ("--soft-topk", "4")], capture_output=True, text=True,
+                            timeout=900)
+        assert r3.returncode != 0 and "--soft-topk" in r3.stderr
     prompt = smol_engine.encode("The quick brown fox")
     params = SamplingParams(max_new_tokens=16, temperature=0)
     ref = smol_engine.generate([prompt], params)[0].token_ids
     spec = SpecConfig("EAGLE", str(out), num_steps=3, eagle_topk=2, num_draft_tokens=6)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=2048, spec=spec)) as eng:
         assert eng.generate([prompt], params)[0].token_ids == ref
+
+
+def test_soft_cross_entropy_reads_the_targets_top_k_inside_the_draft_vocabulary():
+    from training.train import soft_cross_entropy
+
+    vocab_index = torch.tensor([0, -1, 1, 2])  # target token 1 is outside the 3-token draft vocabulary
+    logits = torch.randn(5, 3)
+    labels = torch.tensor([0, 2, 3, 0, 2])
+    one_hot_p = torch.tensor([[1.0, 0.0]] * 5)
+    ids = torch.stack([labels, torch.full((5,), 1)], dim=1)
+    # all the mass on one token: the hard cross-entropy on it
+    hard = F.cross_entropy(logits, vocab_index[labels])
+    assert torch.allclose(soft_cross_entropy(logits, ids, one_hot_p, vocab_index), hard)
+    # mass on a token outside the draft vocabulary is dropped and the rest renormalised
+    assert torch.allclose(soft_cross_entropy(logits, ids, torch.tensor([[0.5, 0.5]] * 5), vocab_index), hard)
+    # split between two draft tokens: the mixture of their cross-entropies
+    two = torch.tensor([[0, 3]] * 5)
+    mixed = 0.75 * F.cross_entropy(logits, torch.zeros(5, dtype=torch.long)) + \
+        0.25 * F.cross_entropy(logits, torch.full((5,), 2))
+    assert torch.allclose(soft_cross_entropy(logits, two, torch.tensor([[0.75, 0.25]] * 5), vocab_index), mixed)
 
 
 def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_changes():

@@ -54,6 +54,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--unroll", type=int, default=3, help="training-time-test depth")
     p.add_argument("--ce-weight", type=float, default=0.1)
+    p.add_argument("--soft-topk", type=int, default=0,
+                   help="record the target's top-K next-token probabilities and train on them (EAGLE's soft "
+                        "cross-entropy, truncated to K and renormalised over the draft vocabulary) instead of its "
+                        "greedy token alone (0: hard labels)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="FR-Spec draft vocabulary size (0: full)")
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--holdout", type=float, default=0.05)
@@ -90,7 +94,8 @@ def losses(model, batch, vocab_index, args) -> tuple[torch.Tensor, list[torch.Te
 
     Step d at position t reads token x_{t+d+1} and predicts the target's feature at t+d+1 and its greedy choice
     there (labels[t+d+1]); only positions whose prediction lands in assistant text count."""
-    ids, feats, labels, mask = batch
+    ids, feats, labels, mask = batch[:4]
+    soft = batch[4:]  # (top-K ids [B,T,K], their probabilities) with --soft-topk
     B, T, _ = feats.shape
     outs = model(ids, feats, args.unroll, args.noise if model.training else 0.0)
     total, correct = 0.0, []
@@ -100,7 +105,11 @@ def losses(model, batch, vocab_index, args) -> tuple[torch.Tensor, list[torch.Te
         tgt_tok = F.pad(labels[:, d + 1 :], (0, d + 1))
         logits = model.logits(out[valid])
         target = vocab_index[tgt_tok[valid]]
-        loss = args.ce_weight * F.cross_entropy(logits, target, ignore_index=-1)
+        if soft:
+            loss = args.ce_weight * soft_cross_entropy(logits, *(F.pad(x[:, d + 1 :], (0, 0, 0, d + 1))[valid]
+                                                                 for x in soft), vocab_index)
+        else:
+            loss = args.ce_weight * F.cross_entropy(logits, target, ignore_index=-1)
         if model.feature_weight:
             loss = loss + model.feature_weight * F.smooth_l1_loss(out[valid], tgt_feat[valid])
         total = total + (0.8**d) * loss
@@ -108,6 +117,16 @@ def losses(model, batch, vocab_index, args) -> tuple[torch.Tensor, list[torch.Te
         hit[valid] = logits.argmax(-1) == target
         correct.append((hit, valid))
     return total, correct
+
+
+def soft_cross_entropy(logits, top_ids, top_p, vocab_index) -> torch.Tensor:
+    """-sum p log q over the target's top-K tokens inside the draft vocabulary, p renormalised there: the draft
+    learns how the target ranks its alternatives (what a top-k tree verifies), not its first choice alone."""
+    idx = vocab_index[top_ids.long()]  # [N, K], -1 outside the draft vocabulary
+    p = torch.where(idx >= 0, top_p.float(), 0.0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-6)
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, idx.clamp_min(0))
+    return -(p * logq).sum(-1).mean()
 
 
 def expected_accept_length(correct) -> float:
@@ -134,6 +153,10 @@ def batches(data: dict, indices, batch_size, shuffle, rng, device: str = "cpu"):
         ids = torch.zeros(len(g), T, dtype=torch.long)
         labels = torch.zeros(len(g), T, dtype=torch.long)
         mask = torch.zeros(len(g), T, dtype=torch.bool)
+        soft = "soft_ids" in data
+        if soft:
+            k = data["soft_topk"]
+            top_ids, top_p = torch.zeros(len(g), T, k, dtype=torch.int32), torch.zeros(len(g), T, k)
         first = data["feats"][g[0]]
         f = torch.zeros(len(g), T, first.shape[-1], device=first.device)  # where the features are kept
         for r, i in enumerate(g):
@@ -142,7 +165,10 @@ def batches(data: dict, indices, batch_size, shuffle, rng, device: str = "cpu"):
             f[r, :n] = data["feats"][i].float()
             labels[r, :n] = data["labels"][i].long()
             mask[r, :n] = data["masks"][i]
-        yield tuple(t.to(device, non_blocking=True) for t in (ids, f, labels, mask))
+            if soft:
+                top_ids[r, :n], top_p[r, :n] = data["soft_ids"][i], data["soft_p"][i].float()
+        out = (ids, f, labels, mask) + ((top_ids, top_p) if soft else ())
+        yield tuple(t.to(device, non_blocking=True) for t in out)
 
 
 def evaluate(model, data, idx, vocab_index, args) -> dict:
@@ -184,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         export_examples(args, out, Path(args.export_examples))
         return 0
     data = collect(args, out)
+    if data.get("soft_topk", 0) != args.soft_topk:
+        raise SystemExit(f"{out / 'data.pt'} holds soft labels of top-{data.get('soft_topk', 0)} (0: none), not "
+                         f"--soft-topk {args.soft_topk}: pass that, or record into a new --out")
     seqs = data["seqs"]
     target, cfg = load_target(EngineConfig(model_path=args.model_path), resolve_model(args.model_path),
                               single_rank_group(torch.device("cpu")), torch.float32)
@@ -306,6 +335,8 @@ def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
         cmd += f" --max-steps {args.max_steps} --checkpoint-every {args.checkpoint_every}"
     if args.init_from:
         cmd += f" --init-from {args.init_from}"
+    if args.soft_topk:
+        cmd += f" --soft-topk {args.soft_topk}"
     cmd += "".join(f" --{flag.replace('_', '-')}" for flag in ("distilled", "bf16_autocast") if getattr(args, flag))
     if args.examples:
         cmd += " --examples " + " ".join(Path(e).name for e in args.examples)

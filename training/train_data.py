@@ -166,6 +166,9 @@ def collect(args, out: Path) -> dict:
         runner.model.aux_layers = set(default_aux_layers(runner.model_cfg.num_layers))
     data: dict = {"seqs": [], "feats": [], "labels": [], "masks": [], "answers": num_answers,
                   "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
+    soft_k = getattr(args, "soft_topk", 0)
+    if soft_k:  # the target's distribution, its top-K (EAGLE's loss reads the whole of it; K keeps the cache small)
+        data |= {"soft_ids": [], "soft_p": [], "soft_topk": soft_k}
     # on a GPU with no data.pt to write, the features stay there (11.7 GB for 3.4M tokens): training then builds
     # its batches on the device instead of copying them from host memory every step
     keep_on_device = device.type == "cuda" and getattr(args, "no_data_cache", False)
@@ -182,6 +185,9 @@ def collect(args, out: Path) -> dict:
             logits, hidden, aux = runner.forward(plan)
             feats = torch.cat(aux, dim=-1) if args.kind == "eagle3" else hidden
             labels = logits.argmax(-1).to(torch.int32).cpu()
+            if soft_k:
+                soft_p, soft_ids = torch.softmax(logits.float(), dim=-1).topk(soft_k, dim=-1)
+                soft_p, soft_ids = soft_p.to(torch.float16).cpu(), soft_ids.to(torch.int32).cpu()
             feats = feats.to(torch.bfloat16)
             if not keep_on_device:
                 feats = feats.cpu()
@@ -195,6 +201,9 @@ def collect(args, out: Path) -> dict:
             data["feats"].append(feats[start:end].clone())
             data["labels"].append(labels[start:end].clone())
             data["masks"].append(mask)
+            if soft_k:
+                data["soft_ids"].append(soft_ids[start:end].clone())
+                data["soft_p"].append(soft_p[start:end].clone())
             start = end
         bar.update(len(group))
     bar.close()
