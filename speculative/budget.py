@@ -1,11 +1,12 @@
 """Rank 0's cost-aware tree: how many candidates to verify, whether to draft at all, when to stop expanding.
 
-Each candidate carries an estimated probability of being accepted: exp(cumulative draft log-probability) for an
-EAGLE candidate (EAGLE-2: the draft's confidence is well calibrated), p_n^depth for a context candidate whose
-n-gram match has observed per-token acceptance p_n. A verify of r rows costs `verify(r)` seconds, measured on
-this machine. Rank 0 verifies the prefix of the candidates, best first, that maximises expected tokens per second
-of the step; with none chosen, the step is a plain decode (the root alone). Every choice reaches the other ranks
-through the plan or the decision channel; nothing here runs on them.
+Each candidate carries an estimated probability of being accepted: the product along its path of each draft
+token's confidence, mapped through rank 0's running calibration (`Calibration`: EAGLE-2 takes a hard-label head's
+confidence as calibrated, but a head trained on soft labels is under-confident), or p_n^depth for a context
+candidate whose n-gram match has observed per-token acceptance p_n. A verify of r rows costs `verify(r)` seconds,
+measured on this machine. Rank 0 verifies the prefix of the candidates, best first, that maximises expected tokens
+per second of the step; with none chosen, the step is a plain decode (the root alone). Every choice reaches the
+other ranks through the plan or the decision channel; nothing here runs on them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 DRAFT, CONTEXT_ONLY, PLAIN = "draft", "context", "plain"  # the kinds of decode step rank 0 chooses between
 EMA = 0.2  # weight of a new measurement in the running estimates
@@ -84,13 +87,71 @@ def choose(cands: list[Candidate], batch: int, cost: CostTable, fixed_s: float) 
     return order[:best_m], best
 
 
+CALIBRATION_BINS = 10  # confidence bins per draft depth
+CALIBRATION_PRIOR = 50.0  # pseudo-observations at the draft's own confidence: it is trusted until measured
+CALIBRATION_WINDOW = 5000.0  # per bin, older observations are scaled down past this many (the text drifts)
+CALIBRATION_FLOOR = 1e-6
+
+
+@dataclass
+class Calibration:
+    """Rank 0's map from a draft token's confidence at a draft depth to the probability that the target accepts
+    it once its parent is accepted: per (depth, confidence bin), the draft's confidence plus the observed mean
+    shortfall or excess, shrunk toward none by a prior. Each verified EAGLE candidate whose parent the target
+    accepted is one observation (the greedy walk's own comparisons; no extra work on the logits)."""
+
+    depths: int
+    hits: list[list[float]] = field(init=False)  # [depth - 1][bin] accepted
+    trials: list[list[float]] = field(init=False)
+    conf: list[list[float]] = field(init=False)  # sum of the draft's confidence over the trials
+
+    def __post_init__(self):
+        self.hits, self.trials, self.conf = ([[0.0] * CALIBRATION_BINS for _ in range(self.depths)] for _ in range(3))
+
+    def _cell(self, depth: int, p: float) -> tuple[int, int]:
+        return min(max(depth, 1), self.depths) - 1, min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+
+    def prob(self, p: float, depth: int) -> float:
+        d, b = self._cell(depth, p)
+        shift = (self.hits[d][b] - self.conf[d][b]) / (self.trials[d][b] + CALIBRATION_PRIOR)
+        return min(1.0, max(CALIBRATION_FLOOR, p + shift))
+
+    def logp(self, logp: torch.Tensor, depth: int) -> torch.Tensor:
+        """Calibrated log-probabilities for draft log-probabilities `logp` at `depth` (1: the root's children)."""
+        out = [math.log(self.prob(math.exp(x), depth)) for x in logp.reshape(-1).tolist()]
+        return torch.tensor(out, dtype=logp.dtype).view(logp.shape)
+
+    def observe(self, depth: int, p: float, accepted: bool) -> None:
+        d, b = self._cell(depth, p)
+        self.hits[d][b] += accepted
+        self.trials[d][b] += 1.0
+        self.conf[d][b] += p
+        if self.trials[d][b] > CALIBRATION_WINDOW:
+            scale = CALIBRATION_WINDOW / self.trials[d][b]
+            for table in (self.hits, self.trials, self.conf):
+                table[d][b] *= scale
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """By draft depth: recent verified candidates (older ones weigh less), their mean draft confidence and the
+        fraction the target accepted."""
+        out = {}
+        for d in range(self.depths):
+            n = sum(self.trials[d])
+            if n:
+                out[d + 1] = {"observed": round(n, 1), "confidence": round(sum(self.conf[d]) / n, 4),
+                              "accepted": round(sum(self.hits[d]) / n, 4)}
+        return out
+
+
 @dataclass
 class Estimates:
     """Rank 0's running figures: each kind of step's seconds besides its verify forward (by batch size), the
-    EAGLE drafting seconds, EAGLE tokens accepted per drafted step, and the per-token acceptance of chain
-    candidates by key, (CONTEXT or CORPUS, match length) (successes / trials, from a uniform prior)."""
+    EAGLE drafting seconds, EAGLE tokens accepted per drafted step, what the draft's confidence is worth by depth
+    (`Calibration`), and the per-token acceptance of chain candidates by key, (CONTEXT or CORPUS, match length)
+    (successes / trials, from a uniform prior)."""
 
     eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
+    calibration: Calibration = field(default_factory=lambda: Calibration(1))
     eagle_gain: float = math.nan
     overhead: dict[tuple[str, int], float] = field(default_factory=dict)  # (DRAFT | CONTEXT | PLAIN, batch)
     draft_seconds: dict[int, float] = field(default_factory=dict)

@@ -100,17 +100,25 @@ class SpecDecisions:
     def __init__(self, chan: DecisionChannel, config: EngineConfig, batch: int, leader: LeaderState | None):
         self.chan, self.config, self.batch, self.leader = chan, config, batch, leader
         self.spec = config.spec
-        self.scores: list[list[float]] | None = None  # rank 0: the latest draft scores, per sequence
+        self.scores: list[list[float]] | None = None  # rank 0: the latest cumulative scores, per sequence
+        self.conf: list[list[float]] | None = None  # rank 0: the latest draft probabilities, per sequence
         self.stopped_early = False
 
-    def score(self, b: int, j: int) -> float:
-        return self.scores[b][j] if self.scores is not None else 0.0
+    def score(self, b: int, j: int) -> tuple[float, float]:
+        """Rank 0: candidate j's cumulative score and the draft's own probability of its token."""
+        return (self.scores[b][j], self.conf[b][j]) if self.scores is not None else (0.0, 0.0)
+
+    def _calibrated(self, vals: torch.Tensor, depth: int) -> torch.Tensor:
+        """Rank 0: the draft's top-k log-probabilities as the budget prices them (unchanged on a fixed tree)."""
+        self.conf = vals.exp().reshape(self.batch, -1).tolist()
+        lead = self.leader
+        return vals if lead.cost is None else lead.estimates.calibration.logp(vals, depth)
 
     # --- drafting -----------------------------------------------------------------------------------------
     def first(self, logp: torch.Tensor, k: int) -> torch.Tensor:
         def decide():
             vals, idx = torch.topk(logp, k, dim=-1)
-            self.scores = vals.tolist()
+            self.scores = self._calibrated(vals.cpu(), 1).tolist()
             return self.leader.head.to_target_ids(idx).cpu()
 
         return self.chan.sync("draft", decide, (self.batch, k))
@@ -124,7 +132,8 @@ class SpecDecisions:
         def decide():
             vals, idx = torch.topk(logp, k, dim=-1)  # [B, k(frontier), k(children)]
             parent = torch.tensor([[t.scores[c] for c in t.frontier] for t in trees])
-            cum = (parent.unsqueeze(-1) + vals.cpu()).view(B, k * k)
+            depth = trees[0].depths[trees[0].frontier[0]] + 1
+            cum = (parent.unsqueeze(-1) + self._calibrated(vals.cpu(), depth)).view(B, k * k)
             self.scores = cum.tolist()
             children = self.leader.head.to_target_ids(idx).cpu().view(B, k * k)
             if last:
@@ -230,5 +239,18 @@ class SpecDecisions:
                                               seq.generator, spec.accept_threshold_single, spec.accept_threshold_acc)
             if seq.grammar is not None:  # the walk advanced the matcher; committing the tokens advances it for real
                 seq.grammar.end_speculation()
+            if p.greedy and self.leader.cost is not None:
+                self._observe_calibration(vt, path, bonus)
             commits.append(Commit(path, bonus))
         return commits
+
+    def _observe_calibration(self, vt: VerifyTree, path: list[int], bonus: int) -> None:
+        """The EAGLE children of the root and of each accepted node against the target's choice there: the
+        next accepted token, or the bonus after the last."""
+        cal = self.leader.estimates.calibration
+        wants = [vt.tokens[n] for n in path] + [bonus]
+        kids = vt.children()
+        for parent, want in zip([0, *path], wants):
+            for n in kids[parent]:
+                if vt.sources[n] & budget.EAGLE:
+                    cal.observe(vt.depths[n], vt.conf[n], vt.tokens[n] == want)

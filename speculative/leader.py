@@ -19,7 +19,7 @@ from worker.scheduler import ScheduledSeq, Sequence
 from worker.stats import EngineSnapshot, SpecCounts
 
 from . import budget
-from .budget import Estimates
+from .budget import Calibration, Estimates
 from .context import context_draft
 from .corpus import MAX_MATCH, load_corpus
 from .decisions import Commit, DecisionChannel, LeaderState, SpecDecisions
@@ -44,6 +44,7 @@ class SpecLeader(Leader):
         s = config.spec
         cost = self.worker.cost
         self.estimates = Estimates(eagle_prior=float(min(s.num_steps, s.num_draft_tokens - 1)),
+                                   calibration=Calibration(s.num_steps),
                                    frozen=cost.overhead if cost is not None else None)
         self.channel = DecisionChannel(tp)
         self.corpus = load_corpus(config) if s.context_tokens else None
@@ -167,6 +168,7 @@ class SpecLeader(Leader):
         if self.worker.cost is not None:
             c = self.worker.cost
             snap.spec_verify_cost_ms = {r: round(1000 * x, 3) for r, x in zip(c.rows, c.seconds)}
+            snap.spec_draft_calibration = self.estimates.calibration.summary()
         return snap
 
 

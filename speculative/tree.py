@@ -20,13 +20,15 @@ class DraftTree:
     depths: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)  # candidates fed to the draft, in feeding order (scratch order)
     frontier: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)  # rank 0 only: cumulative draft log-probability
+    scores: list[float] = field(default_factory=list)  # rank 0 only: cumulative calibrated log-probability
+    conf: list[float] = field(default_factory=list)  # rank 0 only: the draft's own probability of the token
 
-    def add(self, token: int, parent: int, score: float = 0.0) -> int:
+    def add(self, token: int, parent: int, score: float = 0.0, conf: float = 0.0) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.scores.append(score)
+        self.conf.append(conf)
         return len(self.tokens) - 1
 
     def ancestors_or_self(self, c: int) -> list[int]:
@@ -64,6 +66,7 @@ class VerifyTree:
     parents: list[int]  # node index of each node's parent (-1 for the root)
     depths: list[int]
     sources: list[int] = field(default_factory=list)  # per node: bit 1 EAGLE, bit 2 context (budget.py)
+    conf: list[float] = field(default_factory=list)  # rank 0 only: an EAGLE node's draft confidence (else 0)
 
     @property
     def size(self) -> int:
@@ -93,13 +96,14 @@ def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], con
     """The root, the selected draft candidates, then the chain (from `source`: the context or the corpus) merged in
     where it repeats a drafted path (a shared node is verified once and counts for both sources)."""
     node_of = {c: i + 1 for i, c in enumerate(selected)}
-    vt = VerifyTree([root_token], [-1], [0], [0])
+    vt = VerifyTree([root_token], [-1], [0], [0], [0.0])
     for c in selected:
         p = tree.parents[c]
         vt.tokens.append(tree.tokens[c])
         vt.parents.append(0 if p < 0 else node_of[p])
         vt.depths.append(tree.depths[c])
         vt.sources.append(EAGLE)
+        vt.conf.append(tree.conf[c])
     node, kids = 0, vt.children()
     for token in context:
         nxt = next((c for c in kids[node] if vt.tokens[c] == token), None)
@@ -108,6 +112,7 @@ def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], con
             vt.parents.append(node)
             vt.depths.append(vt.depths[node] + 1)
             vt.sources.append(0)
+            vt.conf.append(0.0)
             kids.append([])
             nxt = len(vt.tokens) - 1
         vt.sources[nxt] |= source

@@ -172,7 +172,7 @@ class SpecWorker:
         first = decisions.first(logp, k)  # [B, k] target-vocabulary tokens (rank 0's top-k)
         for b, t in enumerate(trees):
             for j in range(k):
-                t.add(int(first[b, j]), -1, decisions.score(b, j))
+                t.add(int(first[b, j]), -1, *decisions.score(b, j))
             t.frontier = list(range(k))
         src_hidden = {(b, c): root_hidden[b] for b in range(B) for c in range(k)}  # hidden that produced c
         for i in range(2, s.num_steps + 1):
@@ -195,7 +195,7 @@ class SpecWorker:
                 new = []
                 for j, parent in enumerate(t.frontier):
                     for m in range(k):
-                        c = t.add(int(children[b, j * k + m]), parent, decisions.score(b, j * k + m))
+                        c = t.add(int(children[b, j * k + m]), parent, *decisions.score(b, j * k + m))
                         new.append(c)
                         src_hidden[(b, c)] = out[b * k + j]
                 t.frontier = [new[int(x)] for x in picks[b]] if picks is not None else []

@@ -7,12 +7,13 @@ import gzip
 import json
 
 import pytest
+import torch
 from conftest import chat
 from helpers import save_copy_eagle_head
 
 from runtime.engine import Engine
 from speculative import budget
-from speculative.budget import Candidate, CostTable, Estimates
+from speculative.budget import Calibration, Candidate, CostTable, Estimates
 from speculative.context import context_draft
 from speculative.corpus import Corpus, load_corpus
 from speculative.defaults import default_spec_config
@@ -108,6 +109,36 @@ def test_context_chain_merges_into_the_draft_tree():
                           budget.CONTEXT]
 
 
+def test_calibration_learns_what_the_draft_confidence_is_worth_at_each_depth():
+    cal = Calibration(3)
+    logp = torch.tensor([[-0.1, -0.7, -2.0]])
+    assert torch.allclose(cal.logp(logp, 1), logp)  # trusted until measured
+    for i in range(2000):  # an under-confident head at depth 1: says 0.5, is right 70% of the time
+        cal.observe(1, 0.5, i % 10 < 7)
+    for i in range(2000):  # an over-confident one at depth 3: says 0.9, is right half the time
+        cal.observe(3, 0.9, i % 2 == 0)
+    assert cal.prob(0.5, 1) == pytest.approx(0.7, abs=0.01) and cal.prob(0.55, 1) == pytest.approx(0.75, abs=0.01)
+    assert cal.prob(0.9, 3) == pytest.approx(0.5, abs=0.02)
+    assert cal.prob(0.5, 2) == 0.5 and cal.prob(0.1, 1) == 0.1  # other depths and bins keep the draft's word
+    assert cal.prob(0.99, 1) == 0.99 and cal.logp(torch.tensor([0.0]), 3).item() < 0.0
+    assert cal.summary()[1] == {"observed": 2000.0, "confidence": 0.5, "accepted": 0.7} and 2 not in cal.summary()
+    for _ in range(2 * int(budget.CALIBRATION_WINDOW)):  # the text changes: the head is now right every time
+        cal.observe(1, 0.5, True)
+    assert cal.summary()[1]["observed"] <= budget.CALIBRATION_WINDOW + 1
+    assert cal.prob(0.5, 1) > 0.9
+
+
+def test_calibrated_confidence_prices_the_tree():
+    """An under-confident head's candidates, priced at its word, do not pay for their rows; calibrated, they do."""
+    cost = CostTable((1, 2, 8), (0.010, 0.0125, 0.03))
+    est = Estimates(eagle_prior=4.0, calibration=Calibration(1))
+    cands = lambda: [Candidate(est.calibration.prob(0.25, 1), 0, budget.EAGLE, i) for i in range(4)]
+    assert budget.choose(cands(), 1, cost, 0.0)[0] == []
+    for _ in range(1000):
+        est.calibration.observe(1, 0.25, True)
+    assert len(budget.choose(cands(), 1, cost, 0.0)[0]) == 4
+
+
 # --- in the engine ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def copy_head(tmp_path_factory, smol_dir):
@@ -137,6 +168,9 @@ def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_pat
     assert stats["steep"]["spec_verify_steps"] == 0 and stats["steep"]["spec_drafted_steps"] == 0  # plain steps
     assert stats["flat"]["spec_drafted_steps"] >= stats["flat"]["spec_verify_steps"] / 2 > 0
     assert stats["flat"]["spec_accepted_tokens"] > 10
+    cal = stats["flat"]["spec_draft_calibration"]  # rank 0 learned what the copy head's confidence is worth
+    assert 0 < cal[1]["observed"] <= stats["flat"]["spec_eagle_tokens"] and 0.0 <= cal[1]["accepted"] <= 1.0
+    assert stats["steep"]["spec_draft_calibration"] == {}
 
 
 @pytest.mark.parametrize("tp", [1, 3])

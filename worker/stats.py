@@ -59,6 +59,7 @@ class EngineSnapshot:
     time: float = 0.0
     spec: SpecCounts | None = None  # None without speculation
     spec_verify_cost_ms: dict[int, float] | None = None  # rank 0's calibrated verify cost by rows
+    spec_draft_calibration: dict[int, dict[str, float]] | None = None  # by draft depth (budget.Calibration.summary)
     prefix_cache: PrefixCacheCounts | None = None  # None with --disable-radix-cache
     graph_replays: int = 0  # target forwards run from captured graphs (worker/cuda_graph.py)
 
@@ -74,6 +75,7 @@ class EngineSnapshot:
             out["spec_accept_length_mean"] = self.spec.accept_length_mean
         if self.spec_verify_cost_ms is not None:
             out["spec_verify_cost_ms"] = self.spec_verify_cost_ms
+            out["spec_draft_calibration"] = self.spec_draft_calibration
         return out
 
 
