@@ -27,8 +27,9 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
         examples = tmp_path / "examples.pt"
         r = subprocess.run(cmd + ["--export-examples", str(examples)], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0 and examples.exists() and not (out / "data.pt").exists(), r.stderr[-2000:]
-        # and EAGLE's soft labels: the target's top-K probabilities recorded beside the features
-        cmd += ["--bf16-autocast", "--examples", str(examples), "--soft-topk", "4"]
+        # and EAGLE's soft labels: the target's top-K probabilities recorded beside the features; in parts of
+        # about 100 tokens, so an interrupted recording has something to resume from
+        cmd += ["--bf16-autocast", "--examples", str(examples), "--soft-topk", "4", "--part-tokens", "100"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "held-out expected accept length" in r.stdout
@@ -41,20 +42,43 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     # each checkpoint is exported as a servable head (bench/spec_curve.py measures them)
     assert sorted(p.name for p in (out / "heads").iterdir()) == ["step-00002", "step-00004"]
     assert json.loads((out / "heads" / "step-00002" / "config.json").read_text())["eagle_kind"] == kind
-    # resumable: a second run with the checkpoint in place does no new steps and keeps the result
+    parts = sorted((out / "features").glob("part-*.pt"))
+    assert parts and not (out / "data.pt").exists()
+    record = out / "features" / "recording.json"
+    assert json.loads(record.read_text())["complete"]
+    if kind == "eagle3":  # a recording cut short: its last part is missing, and it never got to say it was done
+        assert len(parts) >= 3
+        lost = torch.load(parts[-1], weights_only=False)
+        parts[-1].unlink()
+        record.write_text(json.dumps(json.loads(record.read_text()) | {"complete": False}))
+    # resumable: a second run with the checkpoint in place does no new steps and keeps the result; the recording
+    # redoes only what is missing, and gets the same features
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r2.returncode == 0 and "resumed from step 4" in r2.stdout
+    assert sorted((out / "features").glob("part-*.pt")) == parts
     if kind == "eagle3":
-        data = torch.load(out / "data.pt", weights_only=False, mmap=True)
-        assert data["soft_topk"] == 4 and len(data["soft_p"]) == len(data["seqs"])
+        redone = torch.load(parts[-1], weights_only=False)
+        assert redone["seqs"] == lost["seqs"]
+        for name in ("feats", "labels", "masks", "soft_ids", "soft_p"):
+            assert all(torch.equal(a, b) for a, b in zip(redone[name], lost[name])), name
+        data = {k: [x for p in parts for x in torch.load(p, weights_only=False, mmap=True)[k]]
+                for k in ("seqs", "labels", "soft_p", "soft_ids")}
+        assert json.loads((out / "features" / "recording.json").read_text())["data"]["soft_topk"] == 4
+        assert len(data["soft_p"]) == len(data["seqs"]) > len(redone["seqs"])
         first_p, first_ids = data["soft_p"][0].float(), data["soft_ids"][0]
         assert first_p.shape == (len(data["seqs"][0]), 4) and (first_p[:, :-1] >= first_p[:, 1:]).all()
         assert (first_ids[:, 0] == data["labels"][0]).all()  # the top choice is the greedy label
         assert (first_p.sum(-1) <= 1.001).all()
         # a cache recorded with soft labels is not silently trained on as hard labels (or the other way)
-        r3 = subprocess.run([c for c in cmd if c not in ("--soft-topk", "4")], capture_output=True, text=True,
-                            timeout=900)
-        assert r3.returncode != 0 and "--soft-topk" in r3.stderr
+        at = cmd.index("--soft-topk")
+        hard = cmd[:at] + cmd[at + 2 :]
+        r3 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
+        assert r3.returncode != 0 and "holds soft labels of top-4 (0: none), not --soft-topk 0" in r3.stderr, \
+            r3.stderr[-2000:]
+        # nor is an unfinished recording finished with other settings
+        record.write_text(json.dumps(json.loads(record.read_text()) | {"complete": False}))
+        r4 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
+        assert r4.returncode != 0 and "soft_topk: recorded 4, asked 0" in r4.stderr, r4.stderr[-2000:]
     prompt = smol_engine.encode("The quick brown fox")
     params = SamplingParams(max_new_tokens=16, temperature=0)
     ref = smol_engine.generate([prompt], params)[0].token_ids

@@ -29,7 +29,7 @@ from worker.dist import single_rank_group
 from worker.loader import load_target
 from worker.model_files import resolve_model
 
-from .train_data import collect, export_examples
+from .train_data import PART_TOKENS, collect, export_examples
 from .train_model import TRAINABLE
 
 
@@ -37,7 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="eaglegate train-draft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=DEFAULT_MODEL)
-    p.add_argument("--out", required=True, help="output folder (also holds data.pt and checkpoint.pt)")
+    p.add_argument("--out", required=True,
+                   help="output folder (also holds the recorded features/ and checkpoint.pt; both resume)")
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
     p.add_argument("--distilled", action="store_true",
@@ -79,8 +80,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--record-tokens", type=int, default=0,
                    help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else "
                         "--max-len)")
+    p.add_argument("--part-tokens", type=int, default=PART_TOKENS,
+                   help="tokens per part file of the recorded features: what recording holds in memory, and what "
+                        "an interrupted recording redoes at most")
     p.add_argument("--no-data-cache", action="store_true",
-                   help="keep the recorded features in memory only (no out/data.pt: tens of GB for 10K answers)")
+                   help="keep the recorded features in memory only (no out/features/: tens of GB for 10K answers)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where features are recorded and the head trains (auto: cuda when present)")
     args = p.parse_args(argv)
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = collect(args, out)
     if data.get("soft_topk", 0) != args.soft_topk:
-        raise SystemExit(f"{out / 'data.pt'} holds soft labels of top-{data.get('soft_topk', 0)} (0: none), not "
+        raise SystemExit(f"{out} holds soft labels of top-{data.get('soft_topk', 0)} (0: none), not "
                          f"--soft-topk {args.soft_topk}: pass that, or record into a new --out")
     seqs = data["seqs"]
     target, cfg = load_target(EngineConfig(model_path=args.model_path), resolve_model(args.model_path),

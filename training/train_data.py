@@ -5,6 +5,8 @@ target's greedy next token (what a lossless verifier accepts) and whether the po
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -145,14 +147,79 @@ def export_examples(args, out: Path, path: Path) -> None:
     print(f"{len(examples)} examples ({sum(len(i) for i, _ in examples)} tokens) -> {path}")
 
 
+PART_TOKENS = 1 << 18  # tokens per part of the feature cache: 0.9 GB of EAGLE-3 features, what recording holds
+LISTS = ("seqs", "feats", "labels", "masks")
+SOFT_LISTS = ("soft_ids", "soft_p")
+
+
 def collect(args, out: Path) -> dict:
-    """Examples -> one teacher-forced target pass. Cached in out/data.pt (unless --no-data-cache)."""
-    cache = out / "data.pt"
-    if cache.exists():  # mapped, not read: the features (12 GB for 3.4M tokens) stay in the page cache, which the
-        # kernel can drop, instead of anonymous memory that a 24 GB machine runs out of while training allocates
-        return torch.load(cache, weights_only=False, mmap=True)
-    source = resolve_model(args.model_path)
+    """Examples -> one teacher-forced target pass, recorded in parts under out/features/ (unless --no-data-cache)
+    and read back mapped: the features (12 GB for 3.4M tokens) stay in the page cache, which the kernel can drop,
+    instead of anonymous memory that a 24 GB machine runs out of while training allocates. A finished recording is
+    used as it is (a later stage may reuse it with another seed); an interrupted one resumes after its last whole
+    part, once its examples and settings are checked to be the same. A data.pt from before the parts is read too."""
+    legacy = out / "data.pt"
+    if legacy.exists():
+        return torch.load(legacy, weights_only=False, mmap=True)
+    folder = out / "features"
+    record = folder / "recording.json"
+    if record.exists() and json.loads(record.read_text()).get("complete"):
+        return _read_parts(folder, json.loads(record.read_text())["data"])
     examples, num_answers = build_examples(args, out)
+    soft_k = getattr(args, "soft_topk", 0)
+    data: dict = {"answers": num_answers, "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
+    if soft_k:  # the target's distribution, its top-K (EAGLE's loss reads the whole of it; K keeps the cache small)
+        data["soft_topk"] = soft_k
+    lists = LISTS + (SOFT_LISTS if soft_k else ())
+    if getattr(args, "no_data_cache", False):
+        data |= {name: [] for name in lists}
+        for group in _record(args, examples, lists):
+            for name in lists:
+                data[name] += group[name]
+        return data
+    folder.mkdir(exist_ok=True)
+    meta = {"data": data, "examples": _fingerprint(args, examples), "complete": False}
+    if record.exists() and (held := json.loads(record.read_text())["examples"]) != meta["examples"]:
+        diff = "; ".join(f"{k}: recorded {held.get(k)!r}, asked {v!r}" for k, v in meta["examples"].items()
+                         if held.get(k) != v)
+        raise SystemExit(f"{folder} holds part of a recording of other examples or settings ({diff}): pass the "
+                         f"same ones to finish it, or record into a new --out")
+    record.write_text(json.dumps(meta, indent=1))
+    done = sum(int(path.stem.split("-")[2]) for path in folder.glob("part-*.pt"))
+    part, first = {name: [] for name in lists}, done
+    for group in _record(args, examples[done:], lists, done, len(examples)):
+        for name in lists:
+            part[name] += group[name]
+        if sum(len(ids) for ids in part["seqs"]) >= getattr(args, "part_tokens", PART_TOKENS) or \
+                first + len(part["seqs"]) == len(examples):
+            path = folder / f"part-{first:07d}-{len(part['seqs']):06d}.pt"
+            torch.save(part, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)  # a part is there whole or not at all
+            first += len(part["seqs"])
+            part = {name: [] for name in lists}
+    record.write_text(json.dumps(meta | {"complete": True}, indent=1))
+    return _read_parts(folder, data)
+
+
+def _read_parts(folder: Path, data: dict) -> dict:
+    out = dict(data)
+    for path in sorted(folder.glob("part-*.pt")):
+        for name, values in torch.load(path, weights_only=False, mmap=True).items():
+            out.setdefault(name, []).extend(values)
+    return out
+
+
+def _fingerprint(args, examples: list[Example]) -> dict:
+    ids = torch.tensor([t for e, _ in examples for t in e], dtype=torch.int64)
+    spans = torch.tensor([x for _, sp in examples for a, b in sp for x in (a, b)], dtype=torch.int64)
+    return {"count": len(examples), "tokens": len(ids), "kind": args.kind, "model": str(args.model_path),
+            "dtype": args.dtype, "soft_topk": getattr(args, "soft_topk", 0),
+            "sha256": hashlib.sha256(ids.numpy().tobytes() + spans.numpy().tobytes()).hexdigest()}
+
+
+def _record(args, examples: list[Example], lists: tuple[str, ...], done: int = 0, total: int = 0):
+    """Per group of examples sharing one forward: its per-sequence ids, features, labels, masks (and soft labels)."""
+    source = resolve_model(args.model_path)
     device = torch.device(getattr(args, "device", "cpu"))
     # sequences share a forward up to 8,192 tokens on a GPU (one each is launch-bound there), --max-len on the CPU
     budget = getattr(args, "record_tokens", 0) or (8192 if device.type == "cuda" else args.max_len)
@@ -164,15 +231,11 @@ def collect(args, out: Path) -> dict:
     unpack_quantized_linears(runner.model)  # the served int4 weights at dense speed: ~2x faster at 512 rows
     if args.kind == "eagle3":  # EAGLE-3 reads the low, middle and high layers' residual streams instead
         runner.model.aux_layers = set(default_aux_layers(runner.model_cfg.num_layers))
-    data: dict = {"seqs": [], "feats": [], "labels": [], "masks": [], "answers": num_answers,
-                  "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
     soft_k = getattr(args, "soft_topk", 0)
-    if soft_k:  # the target's distribution, its top-K (EAGLE's loss reads the whole of it; K keeps the cache small)
-        data |= {"soft_ids": [], "soft_p": [], "soft_topk": soft_k}
-    # on a GPU with no data.pt to write, the features stay there (11.7 GB for 3.4M tokens): training then builds
+    # on a GPU with nothing to write, the features stay there (11.7 GB for 3.4M tokens): training then builds
     # its batches on the device instead of copying them from host memory every step
     keep_on_device = device.type == "cuda" and getattr(args, "no_data_cache", False)
-    bar = tqdm(total=len(examples), desc="recording features", unit="seq")
+    bar = tqdm(total=total or len(examples), initial=done, desc="recording features", unit="seq")
     for group in _token_groups(examples, budget):
         plan, free = ForwardPlan(0), 0
         for ids, _ in group:
@@ -191,25 +254,23 @@ def collect(args, out: Path) -> dict:
             feats = feats.to(torch.bfloat16)
             if not keep_on_device:
                 feats = feats.cpu()
-        start = 0
+        start, out = 0, {name: [] for name in lists}
         for ids, spans in group:
             end = start + len(ids)
             mask = torch.zeros(len(ids), dtype=torch.bool)
             for a, b in spans:
                 mask[max(a - 1, 0) : b - 1] = True  # position t predicts token t + 1
-            data["seqs"].append(ids)
-            data["feats"].append(feats[start:end].clone())
-            data["labels"].append(labels[start:end].clone())
-            data["masks"].append(mask)
+            out["seqs"].append(ids)
+            out["feats"].append(feats[start:end].clone())
+            out["labels"].append(labels[start:end].clone())
+            out["masks"].append(mask)
             if soft_k:
-                data["soft_ids"].append(soft_ids[start:end].clone())
-                data["soft_p"].append(soft_p[start:end].clone())
+                out["soft_ids"].append(soft_ids[start:end].clone())
+                out["soft_p"].append(soft_p[start:end].clone())
             start = end
         bar.update(len(group))
+        yield out
     bar.close()
-    if not getattr(args, "no_data_cache", False):
-        torch.save(data, cache)
-    return data
 
 
 def _token_groups(examples: list[Example], budget: int):
