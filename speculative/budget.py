@@ -88,17 +88,23 @@ def choose(cands: list[Candidate], batch: int, cost: CostTable, fixed_s: float) 
 
 
 CALIBRATION_BINS = 10  # confidence bins per draft depth
-CALIBRATION_PRIOR = 50.0  # pseudo-observations at the draft's own confidence: it is trusted until measured
+CALIBRATION_PRIOR = 50.0  # pseudo-observations at the draft's own word: it is trusted until measured
 CALIBRATION_WINDOW = 5000.0  # per bin, older observations are scaled down past this many (the text drifts)
+CALIBRATION_FADE = 0.9995  # per step: evidence older than a few thousand steps counts for little
 CALIBRATION_FLOOR = 1e-6
+
+
+def _bin(p: float) -> int:
+    return min(max(int(p * CALIBRATION_BINS), 0), CALIBRATION_BINS - 1)
 
 
 @dataclass
 class Calibration:
     """Rank 0's map from a draft token's confidence at a draft depth to the probability that the target accepts
-    it once its parent is accepted: per (depth, confidence bin), the draft's confidence plus the observed mean
-    shortfall or excess, shrunk toward none by a prior. Each verified EAGLE candidate whose parent the target
-    accepted is one observation (the greedy walk's own comparisons; no extra work on the logits)."""
+    it once its parent is accepted: per (depth, confidence bin), the draft's confidence times the observed ratio of
+    accepted to expected, shrunk toward 1 by a prior at the draft's own word, interpolated between bins. Each
+    verified EAGLE candidate whose parent the target accepted is one observation (the greedy walk's own comparisons;
+    no extra work on the logits). Siblings are exclusive events, so their prices are scaled to sum to at most 1."""
 
     depths: int
     hits: list[list[float]] = field(init=False)  # [depth - 1][bin] accepted
@@ -108,21 +114,48 @@ class Calibration:
     def __post_init__(self):
         self.hits, self.trials, self.conf = ([[0.0] * CALIBRATION_BINS for _ in range(self.depths)] for _ in range(3))
 
-    def _cell(self, depth: int, p: float) -> tuple[int, int]:
-        return min(max(depth, 1), self.depths) - 1, min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+    def _depth(self, depth: int) -> int:
+        return min(max(depth, 1), self.depths) - 1
+
+    def _ratios(self, d: int) -> list[float]:
+        """Per bin: (accepted + prior) / (expected + prior), the prior being CALIBRATION_PRIOR observations at the
+        cell's mean confidence (the bin's centre while empty)."""
+        out = []
+        for b, (h, t, c) in enumerate(zip(self.hits[d], self.trials[d], self.conf[d])):
+            prior = CALIBRATION_PRIOR * (c / t if t else (b + 0.5) / CALIBRATION_BINS)
+            out.append((h + prior) / (c + prior))
+        return out
+
+    def _scaled(self, p: torch.Tensor, depth: int) -> torch.Tensor:
+        """p times its cell's ratio, interpolated linearly between bin centres (so the price rises with p)."""
+        ratios = torch.tensor(self._ratios(self._depth(depth)), dtype=torch.float64)
+        x = (p * CALIBRATION_BINS - 0.5).clamp(0.0, CALIBRATION_BINS - 1.0)
+        lo = x.floor().long()
+        hi = (lo + 1).clamp(max=CALIBRATION_BINS - 1)
+        frac = x - lo
+        return (p * (ratios[lo] * (1 - frac) + ratios[hi] * frac)).clamp(CALIBRATION_FLOOR, 1.0)
 
     def prob(self, p: float, depth: int) -> float:
-        d, b = self._cell(depth, p)
-        shift = (self.hits[d][b] - self.conf[d][b]) / (self.trials[d][b] + CALIBRATION_PRIOR)
-        return min(1.0, max(CALIBRATION_FLOOR, p + shift))
+        """One token's calibrated price (no siblings)."""
+        return float(self._scaled(torch.tensor(p, dtype=torch.float64), depth))
 
     def logp(self, logp: torch.Tensor, depth: int) -> torch.Tensor:
-        """Calibrated log-probabilities for draft log-probabilities `logp` at `depth` (1: the root's children)."""
-        out = [math.log(self.prob(math.exp(x), depth)) for x in logp.reshape(-1).tolist()]
-        return torch.tensor(out, dtype=logp.dtype).view(logp.shape)
+        """Calibrated log-probabilities for the draft's top-k log-probabilities `logp` [..., k] at `depth` (1: the
+        root's children); the last dimension holds siblings."""
+        q = self._scaled(logp.double().exp(), depth)
+        q = q / q.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        return q.log().to(logp.dtype)
+
+    def fade(self) -> None:
+        """Once a step: every cell's evidence weighs a little less, so a cell priced out of the tree (and so no
+        longer observed) drifts back to the draft's own word and is tried again."""
+        for table in (self.hits, self.trials, self.conf):
+            for row in table:
+                for b in range(CALIBRATION_BINS):
+                    row[b] *= CALIBRATION_FADE
 
     def observe(self, depth: int, p: float, accepted: bool) -> None:
-        d, b = self._cell(depth, p)
+        d, b = self._depth(depth), _bin(p)
         self.hits[d][b] += accepted
         self.trials[d][b] += 1.0
         self.conf[d][b] += p
@@ -191,6 +224,7 @@ class Estimates:
         out for good (an 80-question benchmark run drafted on only 152 of its ~20,000 steps)."""
         if kind != DRAFT:
             self.eagle_gain += RELAX * (self.eagle_prior - self.eagle_gain)
+        self.calibration.fade()
         for other in (DRAFT, CONTEXT_ONLY, PLAIN):
             if other != kind and (other, batch) in self.overhead:
                 self.overhead[(other, batch)] *= 1.0 - RELAX

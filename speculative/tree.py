@@ -20,7 +20,7 @@ class DraftTree:
     depths: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)  # candidates fed to the draft, in feeding order (scratch order)
     frontier: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)  # rank 0 only: cumulative calibrated log-probability
+    scores: list[float] = field(default_factory=list)  # rank 0 only: cumulative log-probability (as budget prices it)
     conf: list[float] = field(default_factory=list)  # rank 0 only: the draft's own probability of the token
 
     def add(self, token: int, parent: int, score: float = 0.0, conf: float = 0.0) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ from speculative import budget
 from speculative.budget import Calibration, Candidate, CostTable, Estimates
 from speculative.context import context_draft
 from speculative.corpus import Corpus, load_corpus
+from speculative.decisions import LeaderState, SpecDecisions
 from speculative.defaults import default_spec_config
-from speculative.tree import DraftTree, build_verify_tree
+from speculative.tree import DraftTree, VerifyTree, build_verify_tree
 from worker.config import EngineConfig
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
@@ -111,21 +113,67 @@ def test_context_chain_merges_into_the_draft_tree():
 
 def test_calibration_learns_what_the_draft_confidence_is_worth_at_each_depth():
     cal = Calibration(3)
-    logp = torch.tensor([[-0.1, -0.7, -2.0]])
+    logp = torch.tensor([[-0.4, -1.5, -3.0]])  # a top-3 holding 0.94 of the mass
     assert torch.allclose(cal.logp(logp, 1), logp)  # trusted until measured
-    for i in range(2000):  # an under-confident head at depth 1: says 0.5, is right 70% of the time
-        cal.observe(1, 0.5, i % 10 < 7)
-    for i in range(2000):  # an over-confident one at depth 3: says 0.9, is right half the time
-        cal.observe(3, 0.9, i % 2 == 0)
-    assert cal.prob(0.5, 1) == pytest.approx(0.7, abs=0.01) and cal.prob(0.55, 1) == pytest.approx(0.75, abs=0.01)
-    assert cal.prob(0.9, 3) == pytest.approx(0.5, abs=0.02)
-    assert cal.prob(0.5, 2) == 0.5 and cal.prob(0.1, 1) == 0.1  # other depths and bins keep the draft's word
-    assert cal.prob(0.99, 1) == 0.99 and cal.logp(torch.tensor([0.0]), 3).item() < 0.0
-    assert cal.summary()[1] == {"observed": 2000.0, "confidence": 0.5, "accepted": 0.7} and 2 not in cal.summary()
+    for i in range(2000):  # an under-confident head at depth 1: says 0.55, is right 75% of the time
+        cal.observe(1, 0.55, i % 4 != 0)
+    for i in range(2000):  # an over-confident one at depth 3: says 0.95, is right half the time
+        cal.observe(3, 0.95, i % 2 == 0)
+    assert cal.prob(0.55, 1) == pytest.approx(0.75, abs=0.01) and cal.prob(0.95, 3) == pytest.approx(0.5, abs=0.02)
+    assert cal.prob(0.45, 1) == pytest.approx(0.45) and 0.45 < cal.prob(0.5, 1) < cal.prob(0.55, 1)  # rising
+    assert cal.prob(0.55, 2) == pytest.approx(0.55) and cal.prob(0.15, 1) == pytest.approx(0.15)  # unmeasured
+    siblings = cal.logp(torch.tensor([0.55, 0.4]).log(), 1).exp()  # exclusive events: at most 1 together
+    assert siblings.sum() == pytest.approx(1.0) and siblings[0] > siblings[1]
+    assert cal.summary()[1] == {"observed": 2000.0, "confidence": 0.55, "accepted": 0.75} and 2 not in cal.summary()
     for _ in range(2 * int(budget.CALIBRATION_WINDOW)):  # the text changes: the head is now right every time
-        cal.observe(1, 0.5, True)
+        cal.observe(1, 0.55, True)
     assert cal.summary()[1]["observed"] <= budget.CALIBRATION_WINDOW + 1
-    assert cal.prob(0.5, 1) > 0.9
+    assert cal.prob(0.55, 1) > 0.9
+    for _ in range(20000):  # steps on which nothing at depth 1 is verified: the draft's own word comes back
+        cal.fade()
+    assert cal.prob(0.55, 1) == pytest.approx(0.55, abs=0.01)
+
+
+class _Chan:  # rank 0 alone: a decision is what rank 0 decides
+    def sync(self, name, decide, shape, local=False):
+        return decide()
+
+
+class _Head:
+    @staticmethod
+    def to_target_ids(idx):
+        return idx + 100
+
+
+def _decisions(cost) -> SpecDecisions:
+    lead = LeaderState([], _Head(), cost, Estimates(eagle_prior=2.0, calibration=Calibration(3)), [])
+    return SpecDecisions(_Chan(), EngineConfig(), 1, lead)
+
+
+def test_draft_confidence_follows_each_candidate_and_the_greedy_walk_observes_it():
+    """Each drafted child keeps the draft's own probability beside its cumulative score; after a verify, the EAGLE
+    children of the root and of each accepted node are observed against the target's choice there, and nothing else."""
+    dec = _decisions(cost=None)
+    first = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    assert dec.first(first, 2).tolist() == [[100, 101]]
+    tree = DraftTree()
+    for j in range(2):
+        tree.add(100 + j, -1, *dec.score(0, j))
+    tree.frontier = [0, 1]
+    assert tree.conf == pytest.approx([0.6, 0.3]) and tree.scores == pytest.approx([math.log(0.6), math.log(0.3)])
+    level = torch.tensor([[[0.5, 0.2, 0.3], [0.1, 0.1, 0.8]]]).log()  # [batch, frontier, vocabulary]
+    children, picks, _ = dec.expand(level, [tree], 2, False, [[]])
+    assert children.tolist() == [[100, 102, 102, 100]]  # frontier-major: j * k + m
+    assert [dec.score(0, i)[1] for i in range(4)] == pytest.approx([0.5, 0.3, 0.8, 0.1])
+    assert dec.score(0, 2)[0] == pytest.approx(math.log(0.3 * 0.8))
+    vt = VerifyTree([7, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 3, 2], [0, 1, 1, 2, 3, 2],
+                    [0, budget.EAGLE, budget.EAGLE, budget.EAGLE, budget.CONTEXT, budget.EAGLE],
+                    [0.0, 0.6, 0.3, 0.5, 0.0, 0.4])
+    dec = _decisions(cost=CostTable.from_json(FLAT))
+    dec._observe_calibration(vt, [1, 3], 99)  # 11 then 13 accepted, then the target chose 99
+    cal = dec.leader.estimates.calibration
+    assert cal.trials == [[0, 0, 0, 1, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0, 0, 0], [0] * 10]
+    assert cal.hits == [[0, 0, 0, 0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0, 0, 0], [0] * 10]
 
 
 def test_calibrated_confidence_prices_the_tree():

@@ -49,6 +49,7 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     if kind == "eagle3":  # a recording cut short: its last part is missing, and it never got to say it was done
         assert len(parts) >= 3
         lost = torch.load(parts[-1], weights_only=False)
+        kept = [path.stat().st_mtime_ns for path in parts[:-1]]
         parts[-1].unlink()
         record.write_text(json.dumps(json.loads(record.read_text()) | {"complete": False}))
     # resumable: a second run with the checkpoint in place does no new steps and keeps the result; the recording
@@ -57,6 +58,7 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     assert r2.returncode == 0 and "resumed from step 4" in r2.stdout
     assert sorted((out / "features").glob("part-*.pt")) == parts
     if kind == "eagle3":
+        assert [path.stat().st_mtime_ns for path in parts[:-1]] == kept  # only the missing part was recorded
         redone = torch.load(parts[-1], weights_only=False)
         assert redone["seqs"] == lost["seqs"]
         for name in ("feats", "labels", "masks", "soft_ids", "soft_p"):

@@ -164,7 +164,7 @@ def collect(args, out: Path) -> dict:
     folder = out / "features"
     record = folder / "recording.json"
     if record.exists() and json.loads(record.read_text()).get("complete"):
-        return _read_parts(folder, json.loads(record.read_text())["data"])
+        return _read_parts(folder, json.loads(record.read_text())["data"], _done(folder))
     examples, num_answers = build_examples(args, out)
     soft_k = getattr(args, "soft_topk", 0)
     data: dict = {"answers": num_answers, "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
@@ -184,10 +184,10 @@ def collect(args, out: Path) -> dict:
                          if held.get(k) != v)
         raise SystemExit(f"{folder} holds part of a recording of other examples or settings ({diff}): pass the "
                          f"same ones to finish it, or record into a new --out")
-    record.write_text(json.dumps(meta, indent=1))
-    done = sum(int(path.stem.split("-")[2]) for path in folder.glob("part-*.pt"))
+    _write_json(record, meta)
+    done = _done(folder)
     part, first = {name: [] for name in lists}, done
-    for group in _record(args, examples[done:], lists, done, len(examples)):
+    for group in _record(args, examples[done:], lists, done, len(examples)) if done < len(examples) else ():
         for name in lists:
             part[name] += group[name]
         if sum(len(ids) for ids in part["seqs"]) >= getattr(args, "part_tokens", PART_TOKENS) or \
@@ -197,23 +197,43 @@ def collect(args, out: Path) -> dict:
             path.with_suffix(".tmp").replace(path)  # a part is there whole or not at all
             first += len(part["seqs"])
             part = {name: [] for name in lists}
-    record.write_text(json.dumps(meta | {"complete": True}, indent=1))
-    return _read_parts(folder, data)
+    _write_json(record, meta | {"complete": True})
+    return _read_parts(folder, data, len(examples))
 
 
-def _read_parts(folder: Path, data: dict) -> dict:
-    out = dict(data)
+def _done(folder: Path) -> int:
+    """Sequences the parts hold, after checking that each part starts where the one before it ended."""
+    done = 0
+    for path in sorted(folder.glob("part-*.pt")):
+        first, count = map(int, path.stem.split("-")[1:])
+        if first != done:
+            raise SystemExit(f"{folder}: {path.name} starts at sequence {first}, but the parts before it end at {done} "
+                             f"(a part is missing): record into a new --out")
+        done += count
+    return done
+
+
+def _read_parts(folder: Path, data: dict, count: int) -> dict:
+    out = dict(data) | {name: [] for name in LISTS + (SOFT_LISTS if data.get("soft_topk") else ())}
     for path in sorted(folder.glob("part-*.pt")):
         for name, values in torch.load(path, weights_only=False, mmap=True).items():
-            out.setdefault(name, []).extend(values)
+            out[name].extend(values)
+    assert len(out["seqs"]) == count, f"{folder}: the parts hold {len(out['seqs'])} sequences, not {count}"
     return out
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(value, indent=1))
+    path.with_suffix(".tmp").replace(path)
 
 
 def _fingerprint(args, examples: list[Example]) -> dict:
     ids = torch.tensor([t for e, _ in examples for t in e], dtype=torch.int64)
     spans = torch.tensor([x for _, sp in examples for a, b in sp for x in (a, b)], dtype=torch.int64)
+    # what changes a feature's bits: the examples, the model and dtype, the device, and which sequences share a forward
     return {"count": len(examples), "tokens": len(ids), "kind": args.kind, "model": str(args.model_path),
             "dtype": args.dtype, "soft_topk": getattr(args, "soft_topk", 0),
+            "device": str(getattr(args, "device", "cpu")), "record_tokens": getattr(args, "record_tokens", 0),
             "sha256": hashlib.sha256(ids.numpy().tobytes() + spans.numpy().tobytes()).hexdigest()}
 
 
