@@ -163,8 +163,9 @@ def collect(args, out: Path) -> dict:
         return torch.load(legacy, weights_only=False, mmap=True)
     folder = out / "features"
     record = folder / "recording.json"
-    if record.exists() and json.loads(record.read_text()).get("complete"):
-        return _read_parts(folder, json.loads(record.read_text())["data"], _done(folder))
+    held = json.loads(record.read_text()) if record.exists() else None
+    if held and held.get("complete"):
+        return _read_parts(folder, held["data"], _done(folder))
     examples, num_answers = build_examples(args, out)
     soft_k = getattr(args, "soft_topk", 0)
     data: dict = {"answers": num_answers, "conversations": len(examples) - num_answers, "prompt_source": args.prompts}
@@ -179,9 +180,9 @@ def collect(args, out: Path) -> dict:
         return data
     folder.mkdir(exist_ok=True)
     meta = {"data": data, "examples": _fingerprint(args, examples), "complete": False}
-    if record.exists() and (held := json.loads(record.read_text())["examples"]) != meta["examples"]:
-        diff = "; ".join(f"{k}: recorded {held.get(k)!r}, asked {v!r}" for k, v in meta["examples"].items()
-                         if held.get(k) != v)
+    if held and held["examples"] != meta["examples"]:
+        diff = "; ".join(f"{k}: recorded {held['examples'].get(k)!r}, asked {v!r}" for k, v in meta["examples"].items()
+                         if held["examples"].get(k) != v)
         raise SystemExit(f"{folder} holds part of a recording of other examples or settings ({diff}): pass the "
                          f"same ones to finish it, or record into a new --out")
     _write_json(record, meta)
@@ -193,8 +194,7 @@ def collect(args, out: Path) -> dict:
         if sum(len(ids) for ids in part["seqs"]) >= getattr(args, "part_tokens", PART_TOKENS) or \
                 first + len(part["seqs"]) == len(examples):
             path = folder / f"part-{first:07d}-{len(part['seqs']):06d}.pt"
-            torch.save(part, path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").replace(path)  # a part is there whole or not at all
+            _write_whole(path, lambda tmp, part=part: torch.save(part, tmp))
             first += len(part["seqs"])
             part = {name: [] for name in lists}
     _write_json(record, meta | {"complete": True})
@@ -223,8 +223,14 @@ def _read_parts(folder: Path, data: dict, count: int) -> dict:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    path.with_suffix(".tmp").write_text(json.dumps(value, indent=1))
-    path.with_suffix(".tmp").replace(path)
+    _write_whole(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1)))
+
+
+def _write_whole(path: Path, write) -> None:
+    """write(temporary path), then a rename: the file is there whole or not at all."""
+    tmp = path.with_suffix(".tmp")
+    write(tmp)
+    tmp.replace(path)
 
 
 def _fingerprint(args, examples: list[Example]) -> dict:

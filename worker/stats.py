@@ -75,6 +75,7 @@ class EngineSnapshot:
             out["spec_accept_length_mean"] = self.spec.accept_length_mean
         if self.spec_verify_cost_ms is not None:
             out["spec_verify_cost_ms"] = self.spec_verify_cost_ms
+        if self.spec_draft_calibration is not None:
             out["spec_draft_calibration"] = self.spec_draft_calibration
         return out
 
