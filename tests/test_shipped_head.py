@@ -25,7 +25,7 @@ def _cli(*argv: str) -> argparse.Namespace:
 def test_default_model_serves_with_the_shipped_head_by_default():
     spec = resolve_spec_config(_cli())
     assert spec.algorithm == "EAGLE3" and spec.draft_model_path == str(DEFAULT_HEAD)
-    assert spec.disable_batch_size == 4  # large decode batches decode plainly unless told otherwise
+    assert spec.disable_batch_size == 5  # large decode batches decode plainly unless told otherwise
     assert resolve_spec_config(_cli("--speculative-disable-batch-size", "0")).disable_batch_size == 0
     assert (DEFAULT_HEAD / "model.safetensors").exists() and (DEFAULT_HEAD / "README.md").exists()
     assert resolve_spec_config(_cli("--speculative-algorithm", "NONE")).algorithm == "NONE"
@@ -47,7 +47,8 @@ def test_shipped_head_accepts_more_than_one_and_three_quarter_tokens_per_step(sm
         stats = eng.stats.values
     assert out == ref
     print(f"shipped head: accept length {stats['spec_accept_length_mean']:.2f} tokens per verify step")
-    # stage 7 measures 1.86 here, stage 6 1.85, stage 5 1.81, stage 4 1.82, stage 3 1.85 (float32 is deterministic);
+    # stage 8 measures 1.86 here (1.946 on bench/head_accept.py's 8 x 128 set), stage 7 1.86, stage 6 1.85,
+    # stage 5 1.81, stage 4 1.82, stage 3 1.85 (float32 is deterministic);
     # the floor of 2.0 (0.5 above the old 1.5) is not met
     assert stats["spec_accept_length_mean"] > 1.8
 
