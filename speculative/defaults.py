@@ -11,9 +11,8 @@ DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 # tree on the 2-core CPU: a 2-row verify costs about one decode step, while each further row costs verify and
 # drafting time that the head's few accepted tokens do not repay (README, "Benchmarks"; bench/spec_profile.py)
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 1, 1, 2
-# decode batches of 5+ decode plainly: rank 0's budget gains at a batch of 4 (1.03x plain over five ABBA rounds,
-# session 21) but misprices larger batches (0.80x at 8, 0.83x at 16), its verify cost table being measured on one
-# sequence (README, "Benchmarks")
+# decode batches of 5+ decode plainly: rank 0's budget gains at a batch of 4 (1.08x plain, bench/spec_batch.py) but
+# misprices larger batches (0.87x at 8, 0.86x at 16), its verify cost table being measured on one sequence (README)
 DEFAULT_DISABLE_BATCH_SIZE = 5
 
 
