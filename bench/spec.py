@@ -1,5 +1,5 @@
 """Speculative decoding on MT-bench first turns: accept length, tokens/s with and without EAGLE, speedup,
-output identity; concurrency 4 and 16; llama.cpp single-stream when installed; a PNG plot.
+output identity; concurrency 4 and 16 (closed loop); llama.cpp single-stream when installed; a PNG plot.
 
     .venv/bin/python bench/spec.py [--limit 80] [--max-tokens 256] [--settings 4,1,5 5,2,8]
 
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -118,12 +118,35 @@ def chat_prompt(tok, question: str) -> list[int]:
     return chat_ids(tok, [{"role": "user", "content": question}], add_generation_prompt=True)
 
 
-def concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> float:
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
-    batch = (prompts * (concurrency // len(prompts) + 1))[:concurrency]
+def concurrent(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+               requests: int) -> float:
+    """Tokens per second of `concurrency` clients, each sending its next question as soon as its last answer ends
+    (vLLM's --max-concurrency, guidellm's concurrent profile), over `requests` questions: the decode batch holds at
+    `concurrency` until the last answers drain. A burst of N questions at once instead measures mostly its tail,
+    where a batch shrinks as answers end, and speculation reorders which ends first."""
+    work = (prompts * (requests // len(prompts) + 1))[:requests]
     t0 = time.perf_counter()
-    out = engine.generate(batch, params)
-    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+    with ThreadPoolExecutor(concurrency) as clients:
+        answers = list(clients.map(lambda p: engine.generate([p], params)[0], work))
+    return sum(len(r.token_ids) for r in answers) / (time.perf_counter() - t0)
+
+
+def compare_concurrency(plain: Engine, spec: Engine, prompts: list[list[int]], params: SamplingParams,
+                        concurrency: int, rounds: int, requests: int) -> dict:
+    """Plain, EAGLE, EAGLE, plain, `rounds` times: the machine drifts within a run, and order alone moved a single
+    pair by 15% here. Each round's own ratio is what that drift does not move."""
+    before = spec.stats.values
+    runs_p, runs_s = [], []
+    for _ in range(rounds):
+        runs_p.append(concurrent(plain, prompts, params, concurrency, requests))
+        runs_s += [concurrent(spec, prompts, params, concurrency, requests) for _ in range(2)]
+        runs_p.append(concurrent(plain, prompts, params, concurrency, requests))
+    after = spec.stats.values
+    ratios = [sum(runs_s[2 * i : 2 * i + 2]) / sum(runs_p[2 * i : 2 * i + 2]) for i in range(rounds)]
+    return {"plain": sum(runs_p) / len(runs_p), "spec": sum(runs_s) / len(runs_s), "plain_runs": runs_p,
+            "spec_runs": runs_s, "round_ratios": [round(r, 4) for r in ratios], "ratio": sum(ratios) / rounds,
+            "requests": requests,
+            "verify_steps": after.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0)}
 
 
 def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
@@ -202,7 +225,9 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=None,
                     help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
     ap.add_argument("--concurrency", default="4,16")
-    ap.add_argument("--concurrency-rounds", type=int, default=4, help="plain-EAGLE-EAGLE-plain rounds per level")
+    ap.add_argument("--concurrency-rounds", type=int, default=3, help="plain-EAGLE-EAGLE-plain rounds per level")
+    ap.add_argument("--requests-per-client", type=int, default=4,
+                    help="each concurrency level sends this many questions per client, refilled as answers end")
     ap.add_argument("--disable-batch-size", type=int, default=None,
                     help="decode batches this large run plain steps (--speculative-disable-batch-size; default: "
                          "the served default)")
@@ -247,22 +272,14 @@ def main() -> None:
                       f"{src['spec_corpus_tokens']}, drafted steps {src['spec_drafted_steps']}/"
                       f"{src['spec_verify_steps']}", flush=True)
                 if (steps, topk, ndt) == settings[0] and variant == "default":
+                    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
                     for c in [int(x) for x in args.concurrency.split(",") if x]:
-                        # plain, EAGLE, EAGLE, plain, twice: the machine drifts within a run, and order alone
-                        # moved a single pair by 15% here
-                        runs_p, runs_s = [], []
-                        for _ in range(args.concurrency_rounds):
-                            runs_p.append(concurrent(plain, prompts, args.max_tokens, c))
-                            runs_s += [concurrent(spec, prompts, args.max_tokens, c) for _ in range(2)]
-                            runs_p.append(concurrent(plain, prompts, args.max_tokens, c))
-                        p_tps, s_tps = sum(runs_p) / len(runs_p), sum(runs_s) / len(runs_s)
-                        # each round's own ratio: what the machine's drift between rounds does not move
-                        rounds = [sum(runs_s[2 * i : 2 * i + 2]) / sum(runs_p[2 * i : 2 * i + 2])
-                                  for i in range(args.concurrency_rounds)]
-                        results["concurrency"][str(c)] = {"plain": p_tps, "spec": s_tps, "plain_runs": runs_p,
-                                                          "spec_runs": runs_s, "round_ratios": rounds}
-                        print(f"concurrency {c}: plain {p_tps:.1f} tok/s  EAGLE {s_tps:.1f} tok/s  "
-                              f"({s_tps / p_tps:.2f}x; rounds {min(rounds):.2f}-{max(rounds):.2f}x)", flush=True)
+                        row = compare_concurrency(plain, spec, prompts, params, c, args.concurrency_rounds,
+                                                  args.requests_per_client * c)
+                        results["concurrency"][str(c)] = row
+                        print(f"concurrency {c}: plain {row['plain']:.1f} tok/s  EAGLE {row['spec']:.1f} tok/s  "
+                              f"({row['ratio']:.2f}x; rounds {min(row['round_ratios']):.2f}-"
+                              f"{max(row['round_ratios']):.2f}x)", flush=True)
     if args.identity_check:
         results["float32_identity"] = identity_check(draft, settings[0], questions[: args.identity_check],
                                                      args.max_tokens)

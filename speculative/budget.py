@@ -1,18 +1,19 @@
 """Rank 0's cost-aware tree: how many candidates to verify, whether to draft at all, when to stop expanding.
 
-Each candidate carries an estimated probability of being accepted: the product along its path of each draft
-token's confidence, mapped through rank 0's running calibration (`Calibration`: EAGLE-2 takes a hard-label head's
-confidence as calibrated, but a head trained on soft labels is under-confident), or p_n^depth for a context
-candidate whose n-gram match has observed per-token acceptance p_n. A verify of r rows costs `verify(r)` seconds,
-measured on this machine. Rank 0 verifies the prefix of the candidates, best first, that maximises expected tokens
-per second of the step; with none chosen, the step is a plain decode (the root alone). Every choice reaches the
-other ranks through the plan or the decision channel; nothing here runs on them.
+Each candidate carries an estimated probability of being accepted: the product along its path of each draft token's
+confidence, mapped through rank 0's running calibration (`Calibration`: EAGLE-2 takes a hard-label head's confidence as
+calibrated, but a head trained on soft labels is under-confident), or p_n^depth for a context candidate whose n-gram
+match has observed per-token acceptance p_n. A verify of r rows costs `verify(r)` seconds, measured on this machine at
+start-up for the step's batch size and context (`CostGrid`). Rank 0 verifies the prefix of the candidates, best first,
+that maximises expected tokens per second of the step; with none chosen, the step is a plain decode (the root alone).
+Every choice reaches the other ranks through the plan or the decision channel; nothing here runs on them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,9 @@ import torch
 DRAFT, CONTEXT_ONLY, PLAIN = "draft", "context", "plain"  # the kinds of decode step rank 0 chooses between
 EMA = 0.2  # weight of a new measurement in the running estimates
 RELAX = 0.05  # per skipped step, how far the EAGLE estimate moves back to the optimistic prior (re-probing)
+OVERHEAD_WINDOW = 5  # a kind's overhead is the median of its last this many steps: one slow step does not move it
+PROBE_AFTER = 64  # steps at a batch size after which a speculative kind passed over is run once to be re-measured
+PROBE_MAX = 1024  # the longest probe interval, after probes that keep finding the kind slower
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,54 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+    def at(self, batch: int, context: float) -> CostTable:
+        """A table from a file prices rows alone, whatever the batch and context."""
+        return self
+
+    def as_ms(self) -> dict[str, float]:
+        return {str(r): round(1000 * x, 3) for r, x in zip(self.rows, self.seconds)}
+
+
+def _interp(xs: tuple[float, ...], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), linear beyond both ends (a single point: constant)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+@dataclass(frozen=True)
+class CostGrid:
+    """Verify seconds measured on this machine by context length, batch size and rows per sequence:
+    seconds[c][b][r] for contexts[c] tokens behind each of batches[b] sequences verifying per_seq[r] rows each.
+    Rows cost more in a wider batch (each sequence's attention, its KV reads), and more behind a longer context;
+    one sequence at a short context prices a batch of 8 at 300 tokens a third too cheap (bench/spec_batch.py)."""
+
+    contexts: tuple[int, ...]
+    batches: tuple[int, ...]
+    per_seq: tuple[int, ...]
+    seconds: tuple[tuple[tuple[float, ...], ...], ...]
+    overhead = None  # the overheads of a calibrated grid are measured as it serves (Estimates)
+
+    def at(self, batch: int, context: float) -> CostTable:
+        """The verify cost by total rows for `batch` sequences of `context` tokens on average: linear between
+        and beyond the measured batches and contexts, never falling as rows grow."""
+        by_ctx = [[_interp(self.batches, [self.seconds[c][b][r] for b in range(len(self.batches))], batch)
+                   for r in range(len(self.per_seq))] for c in range(len(self.contexts))]
+        seconds, floor = [], min(min(row) for plane in self.seconds for row in plane)
+        for r in range(len(self.per_seq)):
+            s = max(floor, _interp(self.contexts, [by_ctx[c][r] for c in range(len(self.contexts))], context))
+            seconds.append(max(s, seconds[-1]) if seconds else s)
+        return CostTable(tuple(batch * r for r in self.per_seq), tuple(seconds))
+
+    def as_ms(self) -> dict[str, dict[str, dict[str, float]]]:
+        """{"context N": {"batch B": {rows per sequence: ms}}}, for /engine/stats."""
+        return {f"context {c}": {f"batch {b}": {str(r): round(1000 * x, 3) for r, x in zip(self.per_seq, row)}
+                                 for b, row in zip(self.batches, plane)}
+                for c, plane in zip(self.contexts, self.seconds)}
 
 
 @dataclass(frozen=True)
@@ -186,11 +238,15 @@ class Estimates:
     eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
     calibration: Calibration = field(default_factory=lambda: Calibration(1))
     eagle_gain: float = math.nan
-    overhead: dict[tuple[str, int], float] = field(default_factory=dict)  # (DRAFT | CONTEXT | PLAIN, batch)
+    # (DRAFT | CONTEXT | PLAIN, batch): the last OVERHEAD_WINDOW measurements, whose median prices the kind
+    overhead: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     draft_seconds: dict[int, float] = field(default_factory=dict)
     context_hits: dict[tuple[int, int], float] = field(default_factory=dict)
     context_trials: dict[tuple[int, int], float] = field(default_factory=dict)
     frozen: dict[str, float] | None = None  # overheads from a cost-table file: not measured
+    steps: dict[int, int] = field(default_factory=dict)  # steps taken by batch size
+    last_run: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, batch): its step number
+    probe_after: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, batch): its probe interval
 
     def __post_init__(self):
         if math.isnan(self.eagle_gain):
@@ -199,7 +255,7 @@ class Estimates:
     def fixed(self, kind: str, batch: int) -> float:
         if self.frozen is not None:
             return self.frozen.get(kind, 0.0)
-        return _nearest({b: v for (k, b), v in self.overhead.items() if k == kind}, batch)
+        return _nearest({b: statistics.median(v) for (k, b), v in self.overhead.items() if k == kind}, batch)
 
     def draft_time(self, batch: int) -> float:
         return _nearest(self.draft_seconds, batch)
@@ -210,24 +266,38 @@ class Estimates:
     def observe_step(self, kind: str, batch: int, seconds: float) -> None:
         """A step's wall seconds besides its verify forward (as the cost table prices it)."""
         if self.frozen is None:
-            _ema(self.overhead, (kind, batch), max(0.0, seconds))
-
+            recent = self.overhead.setdefault((kind, batch), [])
+            recent.append(max(0.0, seconds))
+            del recent[:-OVERHEAD_WINDOW]
 
     def observe_draft(self, batch: int, seconds: float, eagle_accepted: list[int]) -> None:
         _ema(self.draft_seconds, batch, seconds)
         for a in eagle_accepted:
             self.eagle_gain += EMA * (a - self.eagle_gain)
 
+    def stale(self, batch: int) -> list[str]:
+        """The speculative kinds not run at this batch size for their probe interval: measured only when chosen, a
+        kind priced out by a slow spell (a page fault, a noisy neighbour) is run once more to be measured again.
+        Nudging the figures of passed-over kinds toward optimistic instead held them far below the truth (a batch
+        of 16 priced its draft overhead at 4 ms against 18 ms measured, and drafted at 0.86x plain)."""
+        now = self.steps.get(batch, 0)
+        return [k for k in (DRAFT, CONTEXT_ONLY)
+                if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)]
+
     def chose(self, kind: str, batch: int) -> None:
-        """After rank 0 picks `kind`, the estimates of the kinds it passed over move back toward optimistic: they are
-        only measured when chosen, so one slow step (a page fault, a noisy neighbour) would otherwise price a kind
-        out for good (an 80-question benchmark run drafted on only 152 of its ~20,000 steps)."""
+        """After rank 0 picks `kind`: the step clock; a kind run after its probe interval waits twice as long for
+        the next probe (a wide batch's draft probe costs two plain steps, its draft catching up on every token
+        since the last), one run sooner is back to PROBE_AFTER; and the EAGLE acceptance estimate moves back toward
+        the optimistic prior while drafting is passed over (the text changes; a hard stretch must not end
+        drafting)."""
+        now, key = self.steps.get(batch, 0), (kind, batch)
+        if kind != PLAIN:
+            wait = self.probe_after.get(key, PROBE_AFTER)
+            self.probe_after[key] = min(2 * wait, PROBE_MAX) if now - self.last_run.get(key, 0) >= wait else PROBE_AFTER
+        self.steps[batch] = self.last_run[key] = now + 1
         if kind != DRAFT:
             self.eagle_gain += RELAX * (self.eagle_prior - self.eagle_gain)
         self.calibration.fade()
-        for other in (DRAFT, CONTEXT_ONLY, PLAIN):
-            if other != kind and (other, batch) in self.overhead:
-                self.overhead[(other, batch)] *= 1.0 - RELAX
 
     def observe_context(self, key: tuple[int, int], offered: int, accepted: int) -> None:
         """A chain of `offered` tokens from `key`'s match, of which the first `accepted` were taken."""
@@ -262,9 +332,10 @@ def plan_step(est: Estimates, cost: CostTable, contexts: list[list[Candidate]],
     per_row = est.eagle_gain / eagle_rows if eagle_rows else 0.0
     guessed = [Candidate(min(1.0, per_row), b, EAGLE, i) for b in range(batch) for i in range(eagle_rows)]
     _, with_draft = choose(ctx + guessed, batch, cost, est.fixed(DRAFT, batch))
-    if with_draft > max(with_context, plain):
+    stale = est.stale(batch)
+    if with_draft > max(with_context, plain) or DRAFT in stale:
         return DRAFT, [len(cs) for cs in contexts]
-    if chosen and with_context > plain:
+    if chosen and (with_context > plain or CONTEXT_ONLY in stale):
         return CONTEXT_ONLY, [sum(1 for c in chosen if c.seq == b) for b in range(batch)]
     return PLAIN, [0] * batch
 

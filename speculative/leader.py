@@ -86,7 +86,10 @@ class SpecLeader(Leader):
         a plain decode, a verify of context candidates, or an EAGLE draft plus verify."""
         started = time.perf_counter()
         seqs = [item.seq for item in batch]
-        spec, cost, est = self.config.spec, self.worker.cost, self.estimates
+        spec, est = self.config.spec, self.estimates
+        # this step's verify cost by rows, for its batch size and mean context
+        grid = self.worker.cost
+        cost = None if grid is None else grid.at(len(seqs), sum(s.num_cached for s in seqs) / len(seqs))
         found = [self.chain(s.token_ids) for s in seqs]
         kind = budget.DRAFT
         if cost is not None:
@@ -166,8 +169,7 @@ class SpecLeader(Leader):
         snap = super().snapshot()
         snap.spec = dataclasses.replace(self.totals)
         if self.worker.cost is not None:
-            c = self.worker.cost
-            snap.spec_verify_cost_ms = {r: round(1000 * x, 3) for r, x in zip(c.rows, c.seconds)}
+            snap.spec_verify_cost_ms = self.worker.cost.as_ms()
             snap.spec_draft_calibration = self.estimates.calibration.summary()
         return snap
 

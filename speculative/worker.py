@@ -22,13 +22,17 @@ from worker.protocol import SpecPlan
 from worker.quant import METHOD_BITS, QBlocks
 from worker.runner import ModelRunner
 
-from .budget import CostTable
+from .budget import CostGrid, CostTable
 from .decisions import Commit, Selection, SpecDecisions
 from .heads import DraftHead, load_draft_head, resolve_draft_path
 from .tree import DraftTree, VerifyTree, build_verify_tree
 
-CALIBRATION_CONTEXT = 64  # tokens of context behind the calibration forwards
-CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# the verify forwards timed at start-up: tokens of context behind each sequence, batch sizes, rows per sequence (and
+# the largest tree); the budget interpolates between them and extrapolates linearly beyond
+CALIBRATION_CONTEXTS = (64, 512)
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
+CALIBRATION_PER_SEQ = (1, 2, 3, 5)
+CALIBRATION_WIDE = 8  # batches this wide are not timed past CALIBRATION_PER_SEQ's last tree
 
 
 def draft_bits(choice: str, target: nn.Module) -> int | None:
@@ -42,6 +46,14 @@ def draft_bits(choice: str, target: nn.Module) -> int | None:
         quantized = any(isinstance(getattr(m, "qweight", None), QBlocks) for m in target.modules())
         return 8 if quantized else None
     return METHOD_BITS[choice]
+
+
+def _extend(points: list[tuple[int, float]], xs: tuple[int, ...]) -> tuple[float, ...]:
+    """Seconds at each of `xs`: the measured ones, and the rest linear beyond the last two measured points."""
+    (x0, y0), (x1, y1) = points[-2] if len(points) > 1 else points[-1], points[-1]
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    known = dict(points)
+    return tuple(known.get(x, y1 + slope * (x - x1)) for x in xs)
 
 
 @dataclass
@@ -79,7 +91,7 @@ class SpecWorker:
         runner.on_hidden = self._store_features
         self.bs, self.backend = runner.block_size, runner.attention_backend
         self.max_depth = self.spec.num_steps + self.spec.context_tokens  # longest path a verify tree can hold
-        self.cost: CostTable | None = None
+        self.cost: CostGrid | CostTable | None = None
         if self.spec.cost_table == "auto":
             self.cost = self.calibrate()
         elif self.spec.cost_table != "off":
@@ -92,34 +104,48 @@ class SpecWorker:
         return max(s.num_draft_tokens + s.context_tokens, (s.num_steps - 1) * s.eagle_topk) + 1
 
     @torch.inference_mode()
-    def calibrate(self) -> CostTable:
-        """Seconds of a target forward (with its LM head) by rows, measured here before serving. Every rank runs
-        the same forwards (their collectives pair up); rank 0's timings are the ones it decides with."""
+    def calibrate(self) -> CostGrid:
+        """Seconds of a verify forward (with its LM head) by context, batch size and rows per sequence, measured
+        here before serving (about 3 s on 2 CPU cores). Every rank runs the same forwards (their collectives pair
+        up); rank 0's timings are the ones it decides with."""
         top = self.spec.num_draft_tokens + self.spec.context_tokens
-        rows = sorted({r for r in CALIBRATION_ROWS if r < top} | {top})
-        blocks = -(-(CALIBRATION_CONTEXT + top) // self.bs)
-        table = list(range(min(blocks, self.runner.num_blocks)))
-        ctx = max(0, min(CALIBRATION_CONTEXT, len(table) * self.bs - top))
+        per_seq = tuple(sorted({r for r in CALIBRATION_PER_SEQ if r < top} | {top}))
+        batches = tuple(b for b in CALIBRATION_BATCHES if b <= self.config.max_running_requests)
+        max_pos = self.runner.model.rope.cos.shape[0]
+        contexts = tuple(c for c in CALIBRATION_CONTEXTS if c + top <= max_pos) or (0,)
         dev, model = self.tp.device, self.runner.model
 
-        def forward(r: int) -> float:  # the serving path: a graph replay where the step fits one
+        def forward(ctx: int, batch: int, r: int) -> float:  # the serving path: a graph replay where it fits one
+            need = -(-(ctx + r) // self.bs)  # each sequence its own blocks where the pool holds them (KV reads)
+            ids, pos, slices = [], [], []
+            for b in range(batch):
+                table = [(b * need + i) % self.runner.num_blocks for i in range(need)]
+                write = slots_of(table, range(ctx, ctx + r), self.bs)
+                tree = TreeKeys(write, write, torch.ones(r, r, dtype=torch.bool).tril()) if r > 1 else None
+                ids += [0] * r
+                pos += list(range(ctx, ctx + r))
+                slices.append(SeqSlice(ctx, r, table, tree))
             t0 = time.perf_counter()
-            hidden, _, _ = self.runner.run_model([0] * r, list(range(ctx, ctx + r)), [SeqSlice(ctx, r, table)])
+            hidden, _, _ = self.runner.run_model(ids, pos, slices)
             model.compute_logits(hidden).float()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             return time.perf_counter() - t0
 
-        for r in (top, top, 1, 1):  # warm-up: allocator, thread pool, packed weights
-            forward(r)
-        times = {r: [] for r in rows}
-        for _ in range(3):  # round-robin, so a burst of machine noise does not hit one size only
-            for r in rows:
-                times[r].append(forward(r))
-        seconds = [sorted(times[r])[1] for r in rows]
-        for i in range(1, len(seconds)):  # a forward of more rows never costs less
-            seconds[i] = max(seconds[i], seconds[i - 1])
-        return CostTable(tuple(rows), tuple(seconds))
+        # a wide batch is timed up to CALIBRATION_PER_SEQ's largest tree and extrapolated beyond (about 10% high
+        # at 10 rows on 2 cores: a tree that wide rarely pays in a wide batch)
+        cases = [(c, b, r) for c in contexts for b in batches for r in per_seq
+                 if b < CALIBRATION_WIDE or r <= CALIBRATION_PER_SEQ[-1]]
+        for case in (cases[-1], cases[0], cases[0]):  # warm-up: allocator, thread pool, packed weights
+            forward(*case)
+        times = {case: [] for case in cases}
+        for _ in range(3):  # round-robin, so a burst of machine noise does not hit one case only
+            for case in cases:
+                times[case].append(forward(*case))
+        measured = {case: sorted(t)[1] for case, t in times.items()}
+        seconds = tuple(tuple(_extend([(r, measured[(c, b, r)]) for r in per_seq if (c, b, r) in measured], per_seq)
+                              for b in batches) for c in contexts)
+        return CostGrid(contexts, batches, per_seq, seconds)
 
     def _store_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         self.features.index_copy_(0, slot_mapping, self.head.stored(hidden, aux).to(self.features.dtype))

@@ -25,7 +25,7 @@ def _cli(*argv: str) -> argparse.Namespace:
 def test_default_model_serves_with_the_shipped_head_by_default():
     spec = resolve_spec_config(_cli())
     assert spec.algorithm == "EAGLE3" and spec.draft_model_path == str(DEFAULT_HEAD)
-    assert spec.disable_batch_size == 5  # large decode batches decode plainly unless told otherwise
+    assert spec.disable_batch_size == 9  # large decode batches decode plainly unless told otherwise
     assert resolve_spec_config(_cli("--speculative-disable-batch-size", "0")).disable_batch_size == 0
     assert (DEFAULT_HEAD / "model.safetensors").exists() and (DEFAULT_HEAD / "README.md").exists()
     assert resolve_spec_config(_cli("--speculative-algorithm", "NONE")).algorithm == "NONE"
@@ -65,6 +65,13 @@ def test_large_decode_batches_skip_speculation_when_asked(smol_engine):
         batched_steps = eng.stats.values["spec_verify_steps"]
         alone = eng.generate([prompts[0]], params)[0].token_ids
         alone_steps = eng.stats.values["spec_verify_steps"]
+        grid = eng.stats.values["spec_verify_cost_ms"]
     assert out == ref and alone == ref[0]
     assert batched_steps == 0
     assert alone_steps > 0
+    # rank 0 timed verify forwards at start-up by context, batch size and rows per sequence, up to the widest tree
+    # (2 EAGLE + 8 context rows)
+    assert list(grid) == ["context 64", "context 512"]
+    assert all(list(plane) == [f"batch {b}" for b in (1, 2, 4, 8, 16)] for plane in grid.values())
+    rows = [row for plane in grid.values() for row in plane.values()]
+    assert all(list(row) == ["1", "2", "3", "5", "10"] and min(row.values()) > 0 for row in rows)

@@ -14,7 +14,7 @@ from helpers import save_copy_eagle_head
 
 from runtime.engine import Engine
 from speculative import budget
-from speculative.budget import Calibration, Candidate, CostTable, Estimates
+from speculative.budget import Calibration, Candidate, CostGrid, CostTable, Estimates
 from speculative.context import context_draft
 from speculative.corpus import Corpus, load_corpus
 from speculative.decisions import LeaderState, SpecDecisions
@@ -86,18 +86,56 @@ def test_plan_step_picks_plain_when_drafting_cannot_pay():
 
 
 def test_a_kind_priced_out_by_one_slow_step_is_tried_again():
-    """Overheads are measured only when their kind runs: a single slow draft step must not stop drafting for good."""
+    """Overheads are measured only when their kind runs: a single slow draft step must not stop drafting for good,
+    and a kind the probes keep finding slower is probed ever less often."""
     est = Estimates(eagle_prior=1.0)
     flat = CostTable.from_json(FLAT)
     est.observe_step(budget.PLAIN, 1, 0.001)
     est.observe_step(budget.DRAFT, 1, 0.5)  # one spike: half a second besides the verify
-    assert budget.plan_step(est, flat, [[]], 1)[0] == budget.PLAIN
-    for _ in range(200):
+    kinds = []
+    for _ in range(4 * budget.PROBE_AFTER):
         kind, _ = budget.plan_step(est, flat, [[]], 1)
-        if kind == budget.DRAFT:
-            break
+        kinds.append(kind)
         est.chose(kind, 1)
-    assert kind == budget.DRAFT
+    drafted = [i for i, k in enumerate(kinds) if k == budget.DRAFT]
+    assert drafted == [budget.PROBE_AFTER, 3 * budget.PROBE_AFTER + 1]  # then twice as long
+
+
+def test_one_slow_step_does_not_move_a_kinds_price():
+    est = Estimates(eagle_prior=1.0)
+    for seconds in (0.002, 0.002, 0.5, 0.002, 0.003):  # a page fault in the middle
+        est.observe_step(budget.DRAFT, 4, seconds)
+    assert est.fixed(budget.DRAFT, 4) == 0.002
+    assert est.fixed(budget.DRAFT, 8) == 0.002  # the nearest batch measured, until batch 8 is
+
+
+GRID = CostGrid(contexts=(64, 512), batches=(1, 8), per_seq=(1, 2),
+                seconds=(((0.010, 0.011), (0.014, 0.020)),     # context 64: batch 1, batch 8
+                         ((0.011, 0.012), (0.020, 0.032))))    # context 512
+
+
+def test_the_cost_grid_prices_rows_by_batch_and_context():
+    assert GRID.at(1, 64).rows == (1, 2) and GRID.at(1, 64).seconds == pytest.approx((0.010, 0.011))
+    assert GRID.at(8, 512).rows == (8, 16) and GRID.at(8, 512).seconds == pytest.approx((0.020, 0.032))
+    mid = GRID.at(8, 288)  # halfway between the measured contexts
+    assert mid.rows == (8, 16) and mid.seconds == pytest.approx((0.017, 0.026))
+    wide = GRID.at(15, 64)  # beyond the widest measured batch: linear
+    assert wide.rows == (15, 30) and wide.seconds == pytest.approx((0.018, 0.029))
+    assert wide.verify(20) > wide.verify(15)  # between the points: by rows
+    long = GRID.at(1, 960)  # beyond the longest context: linear
+    assert long.seconds == pytest.approx((0.012, 0.013))
+
+
+def test_a_wide_batch_decodes_plainly_where_one_sequence_drafts():
+    """Per row, a batch of 8 verifies at more than twice one sequence's cost (measured: bench/spec_batch.py); with
+    the same estimates, rank 0 drafts for one sequence and takes plain steps for eight."""
+    est = Estimates(eagle_prior=1.0)
+    est.eagle_gain = 0.5
+    for batch in (1, 8):
+        est.observe_step(budget.DRAFT, batch, 0.002 * batch)
+        est.observe_step(budget.PLAIN, batch, 0.0005)
+    assert budget.plan_step(est, GRID.at(1, 300), [[]], 1)[0] == budget.DRAFT
+    assert budget.plan_step(est, GRID.at(8, 300), [[]] * 8, 1)[0] == budget.PLAIN
 
 
 def test_context_chain_merges_into_the_draft_tree():

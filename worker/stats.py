@@ -58,7 +58,8 @@ class EngineSnapshot:
     steps: int = 0
     time: float = 0.0
     spec: SpecCounts | None = None  # None without speculation
-    spec_verify_cost_ms: dict[int, float] | None = None  # rank 0's calibrated verify cost by rows
+    # rank 0's verify cost: {rows: ms} from a file, or by context and batch size ({rows per sequence: ms}) measured
+    spec_verify_cost_ms: dict | None = None
     spec_draft_calibration: dict[int, dict[str, float]] | None = None  # by draft depth (budget.Calibration.summary)
     prefix_cache: PrefixCacheCounts | None = None  # None with --disable-radix-cache
     graph_replays: int = 0  # target forwards run from captured graphs (worker/cuda_graph.py)
