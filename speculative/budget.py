@@ -93,12 +93,25 @@ class CostGrid:
     seconds: tuple[tuple[tuple[float, ...], ...], ...]
     overhead = None  # the overheads of a calibrated grid are measured as it serves (Estimates)
 
+    def __post_init__(self):
+        """A forward of more rows, a wider batch or a longer context never costs less: each cell is raised to its
+        smaller neighbours' maximum, so noise cannot make a slope negative and no extrapolation falls."""
+        grid = [[list(row) for row in plane] for plane in self.seconds]
+        if min(x for plane in grid for row in plane for x in row) <= 0:
+            raise ValueError("a cost grid's seconds must be positive")
+        for c, plane in enumerate(grid):
+            for b, row in enumerate(plane):
+                for r in range(len(row)):
+                    row[r] = max([row[r]] + ([row[r - 1]] if r else []) + ([plane[b - 1][r]] if b else [])
+                                 + ([grid[c - 1][b][r]] if c else []))
+        object.__setattr__(self, "seconds", tuple(tuple(tuple(row) for row in plane) for plane in grid))
+
     def at(self, batch: int, context: float) -> CostTable:
         """The verify cost by total rows for `batch` sequences of `context` tokens on average: linear between
         and beyond the measured batches and contexts, never falling as rows grow."""
         by_ctx = [[_interp(self.batches, [self.seconds[c][b][r] for b in range(len(self.batches))], batch)
                    for r in range(len(self.per_seq))] for c in range(len(self.contexts))]
-        seconds, floor = [], min(min(row) for plane in self.seconds for row in plane)
+        seconds, floor = [], self.seconds[0][0][0]  # the cheapest cell (the grid only rises)
         for r in range(len(self.per_seq)):
             s = max(floor, _interp(self.contexts, [by_ctx[c][r] for c in range(len(self.contexts))], context))
             seconds.append(max(s, seconds[-1]) if seconds else s)
@@ -247,6 +260,7 @@ class Estimates:
     steps: dict[int, int] = field(default_factory=dict)  # steps taken by batch size
     last_run: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, batch): its step number
     probe_after: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, batch): its probe interval
+    observed_at: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, batch): step of its last figure
 
     def __post_init__(self):
         if math.isnan(self.eagle_gain):
@@ -266,7 +280,11 @@ class Estimates:
     def observe_step(self, kind: str, batch: int, seconds: float) -> None:
         """A step's wall seconds besides its verify forward (as the cost table prices it)."""
         if self.frozen is None:
-            recent = self.overhead.setdefault((kind, batch), [])
+            now, key = self.steps.get(batch, 0), (kind, batch)
+            recent = self.overhead.setdefault(key, [])
+            if now - self.observed_at.get(key, now) > PROBE_AFTER:  # a probe: older figures are what it re-measures
+                recent.clear()
+            self.observed_at[key] = now
             recent.append(max(0.0, seconds))
             del recent[:-OVERHEAD_WINDOW]
 
@@ -280,6 +298,8 @@ class Estimates:
         kind priced out by a slow spell (a page fault, a noisy neighbour) is run once more to be measured again.
         Nudging the figures of passed-over kinds toward optimistic instead held them far below the truth (a batch
         of 16 priced its draft overhead at 4 ms against 18 ms measured, and drafted at 0.86x plain)."""
+        if self.frozen is not None:  # a cost-table file's overheads are not measured: nothing to re-measure
+            return []
         now = self.steps.get(batch, 0)
         return [k for k in (DRAFT, CONTEXT_ONLY)
                 if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)]
@@ -324,7 +344,8 @@ def plan_step(est: Estimates, cost: CostTable, contexts: list[list[Candidate]],
               eagle_rows: int) -> tuple[str, list[int]]:
     """Before drafting, the kind of step with the best expected tokens per second: DRAFT (EAGLE plus context
     candidates, sized after drafting), CONTEXT_ONLY (the returned number of context tokens per sequence), or a
-    PLAIN decode step."""
+    PLAIN decode step; or a speculative kind passed over for its probe interval, to measure it again
+    (`Estimates.stale`)."""
     batch = len(contexts)
     ctx = [c for cs in contexts for c in cs]
     chosen, with_context = choose(ctx, batch, cost, est.fixed(CONTEXT_ONLY, batch))

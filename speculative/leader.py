@@ -118,9 +118,10 @@ class SpecLeader(Leader):
         for phase, seconds in result.timings.items():
             m.phase_seconds.setdefault(phase, []).append(seconds)
         self.check(step, _committed(step, result.commits) + self.channel.state())
-        if cost is not None:
+        if cost is not None:  # a drafting step's seconds, less catching up after a stretch of other steps
             rows = sum(vt.size for vt in result.trees)
-            est.observe_step(kind, len(seqs), time.perf_counter() - started - cost.verify(rows))
+            est.observe_step(kind, len(seqs),
+                             time.perf_counter() - started - cost.verify(rows) - result.catch_up_seconds)
 
     def _count_step(self, kind: str) -> None:
         kinds = self.step_metrics.spec_steps
@@ -163,7 +164,7 @@ class SpecLeader(Leader):
                 eagle_accepted.append(by_source[budget.EAGLE])
             est.observe_context(key, sel.num_context, by_source[key[0]])
         if step.draft:
-            est.observe_draft(len(seqs), result.timings["draft"], eagle_accepted)
+            est.observe_draft(len(seqs), result.timings["draft"] - result.catch_up_seconds, eagle_accepted)
 
     def snapshot(self) -> EngineSnapshot:
         snap = super().snapshot()

@@ -48,10 +48,22 @@ def draft_bits(choice: str, target: nn.Module) -> int | None:
     return METHOD_BITS[choice]
 
 
+def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes to time: those a speculative step can have (fewer than `disable_batch_size`, at most
+    `max_running`), up to the first measured size that covers them all."""
+    top = disable_batch_size - 1 if disable_batch_size else max_running
+    out = []
+    for b in (b for b in CALIBRATION_BATCHES if b <= max_running):
+        out.append(b)
+        if b >= top:
+            break
+    return tuple(out) or (1,)
+
+
 def _extend(points: list[tuple[int, float]], xs: tuple[int, ...]) -> tuple[float, ...]:
     """Seconds at each of `xs`: the measured ones, and the rest linear beyond the last two measured points."""
     (x0, y0), (x1, y1) = points[-2] if len(points) > 1 else points[-1], points[-1]
-    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 != x0 else 0.0
     known = dict(points)
     return tuple(known.get(x, y1 + slope * (x - x1)) for x in xs)
 
@@ -63,6 +75,7 @@ class SpecResult:
     selections: list[Selection]
     verify_logits: torch.Tensor  # [sum(tree sizes), V] float32
     timings: dict = field(default_factory=dict)
+    catch_up_seconds: float = 0.0  # of the draft phase: catching up past a drafting step's usual span (`_draft`)
 
 
 class SpecWorker:
@@ -106,11 +119,11 @@ class SpecWorker:
     @torch.inference_mode()
     def calibrate(self) -> CostGrid:
         """Seconds of a verify forward (with its LM head) by context, batch size and rows per sequence, measured
-        here before serving (about 3 s on 2 CPU cores). Every rank runs the same forwards (their collectives pair
-        up); rank 0's timings are the ones it decides with."""
+        here before serving (about 2 s on 2 CPU cores with batches up to 8). Every rank runs the same forwards
+        (their collectives pair up); rank 0's timings are the ones it decides with."""
         top = self.spec.num_draft_tokens + self.spec.context_tokens
         per_seq = tuple(sorted({r for r in CALIBRATION_PER_SEQ if r < top} | {top}))
-        batches = tuple(b for b in CALIBRATION_BATCHES if b <= self.config.max_running_requests)
+        batches = calibration_batches(self.config.max_running_requests, self.spec.disable_batch_size)
         max_pos = self.runner.model.rope.cos.shape[0]
         contexts = tuple(c for c in CALIBRATION_CONTEXTS if c + top <= max_pos) or (0,)
         dev, model = self.tp.device, self.runner.model
@@ -164,8 +177,7 @@ class SpecWorker:
         t0 = time.perf_counter()
         trees = [DraftTree() for _ in step.seqs]
         contexts = [q.context_ids for q in step.seqs]
-        if step.draft:
-            self._draft(step, decisions, trees, contexts)
+        catch_up = self._draft(step, decisions, trees, contexts) if step.draft else 0.0
         # without a draft, the plan already holds rank 0's choice of context tokens
         selections = decisions.select(trees, contexts) if step.draft else [Selection([], len(c)) for c in contexts]
         vtrees = [build_verify_tree(q.extend_ids[-1], t, sel.picks, ctx[: sel.num_context], q.context_source)
@@ -176,11 +188,13 @@ class SpecWorker:
         commits = decisions.accept(vtrees, logits, self.max_depth)
         t3 = time.perf_counter()
         self._commit_kv(step, vtrees, commits)
-        return SpecResult(commits, vtrees, selections, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2})
+        return SpecResult(commits, vtrees, selections, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2},
+                          catch_up)
 
-    def _draft(self, step: SpecPlan, decisions: SpecDecisions, trees: list[DraftTree], contexts) -> None:
+    def _draft(self, step: SpecPlan, decisions: SpecDecisions, trees: list[DraftTree], contexts) -> float:
         """EAGLE drafting: catch the draft's KV up with committed tokens, then grow each tree level by level
-        (rank 0 picks the children, the next frontier, and whether another level can pay)."""
+        (rank 0 picks the children, the next frontier, and whether another level can pay). Returns the seconds
+        spent catching up past the usual span."""
         s = self.spec
         k, B = s.eagle_topk, len(step.seqs)
         ids, pos, slots, slices, last = [], [], [], [], []
@@ -191,8 +205,13 @@ class SpecWorker:
             slots += slots_of(q.block_table, span, self.bs)
             slices.append(SeqSlice(q.draft_cached, len(span), q.block_table))
             last.append(len(ids) - 1)
+        t0 = time.perf_counter()
         feats = self.head.fuse(self.features.index_select(0, torch.tensor(slots, device=self.tp.device)))
         out, _ = self._draft_forward(ids, pos, feats, slices)
+        # the share of this forward spent on tokens past a drafting step's usual catch-up (the root and the tokens
+        # its last verify accepted): what a stretch of other steps left for the draft to catch up on
+        steady = B * (self.spec.num_draft_tokens + self.spec.context_tokens + 1)
+        catch_up = (time.perf_counter() - t0) * max(0, len(ids) - steady) / len(ids)
         root_hidden = out[torch.tensor(last, device=self.tp.device)]  # [B, h]
         logp = torch.log_softmax(self.head.logits(root_hidden), dim=-1)
         first = decisions.first(logp, k)  # [B, k] target-vocabulary tokens (rank 0's top-k)
@@ -227,6 +246,7 @@ class SpecWorker:
                 t.frontier = [new[int(x)] for x in picks[b]] if picks is not None else []
             if stop:
                 break
+        return catch_up
 
     def _verify_forward(self, step: SpecPlan, vtrees: list[VerifyTree]) -> torch.Tensor:
         ids, pos, slices = [], [], []

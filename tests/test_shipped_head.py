@@ -70,8 +70,8 @@ def test_large_decode_batches_skip_speculation_when_asked(smol_engine):
     assert batched_steps == 0
     assert alone_steps > 0
     # rank 0 timed verify forwards at start-up by context, batch size and rows per sequence, up to the widest tree
-    # (2 EAGLE + 8 context rows)
+    # (2 EAGLE + 8 context rows), for the batches that can speculate: below the limit of 2, one sequence
     assert list(grid) == ["context 64", "context 512"]
-    assert all(list(plane) == [f"batch {b}" for b in (1, 2, 4, 8, 16)] for plane in grid.values())
+    assert all(list(plane) == ["batch 1"] for plane in grid.values())
     rows = [row for plane in grid.values() for row in plane.values()]
     assert all(list(row) == ["1", "2", "3", "5", "10"] and min(row.values()) > 0 for row in rows)

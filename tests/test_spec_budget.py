@@ -20,6 +20,7 @@ from speculative.corpus import Corpus, load_corpus
 from speculative.decisions import LeaderState, SpecDecisions
 from speculative.defaults import default_spec_config
 from speculative.tree import DraftTree, VerifyTree, build_verify_tree
+from speculative.worker import calibration_batches
 from worker.config import EngineConfig
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
@@ -101,6 +102,32 @@ def test_a_kind_priced_out_by_one_slow_step_is_tried_again():
     assert drafted == [budget.PROBE_AFTER, 3 * budget.PROBE_AFTER + 1]  # then twice as long
 
 
+def test_a_probe_that_measures_a_normal_step_brings_drafting_back():
+    est = Estimates(eagle_prior=1.0)
+    flat = CostTable.from_json(FLAT)
+    est.observe_step(budget.PLAIN, 1, 0.001)
+    for _ in range(3):
+        est.observe_step(budget.DRAFT, 1, 0.5)  # a slow spell: three steps
+    for _ in range(budget.PROBE_AFTER):
+        kind, _ = budget.plan_step(est, flat, [[]], 1)
+        assert kind == budget.PLAIN
+        est.chose(kind, 1)
+    assert budget.plan_step(est, flat, [[]], 1)[0] == budget.DRAFT  # the probe
+    est.chose(budget.DRAFT, 1)
+    est.observe_step(budget.DRAFT, 1, 0.001)  # the spell is over: the probe's figure replaces the old ones
+    assert est.fixed(budget.DRAFT, 1) == 0.001
+    assert budget.plan_step(est, flat, [[]], 1)[0] == budget.DRAFT
+
+
+def test_a_cost_table_file_is_never_probed():
+    est = Estimates(eagle_prior=1.0, frozen={budget.DRAFT: 0.5})
+    steep = CostTable.from_json(STEEP)
+    for _ in range(4 * budget.PROBE_AFTER):
+        kind, _ = budget.plan_step(est, steep, [[]], 1)
+        assert kind == budget.PLAIN
+        est.chose(kind, 1)
+
+
 def test_one_slow_step_does_not_move_a_kinds_price():
     est = Estimates(eagle_prior=1.0)
     for seconds in (0.002, 0.002, 0.5, 0.002, 0.003):  # a page fault in the middle
@@ -124,6 +151,22 @@ def test_the_cost_grid_prices_rows_by_batch_and_context():
     assert wide.verify(20) > wide.verify(15)  # between the points: by rows
     long = GRID.at(1, 960)  # beyond the longest context: linear
     assert long.seconds == pytest.approx((0.012, 0.013))
+
+
+def test_a_noisy_grid_never_falls_with_rows_batch_or_context():
+    noisy = CostGrid(contexts=(64, 512), batches=(1, 8), per_seq=(1, 2),
+                     seconds=(((0.010, 0.009), (0.014, 0.020)),    # two rows measured cheaper than one
+                              ((0.011, 0.012), (0.013, 0.030))))   # batch 8 at 512 cheaper than at 64
+    assert noisy.seconds == (((0.010, 0.010), (0.014, 0.020)), ((0.011, 0.012), (0.014, 0.030)))
+    assert noisy.at(8, 4096).seconds[0] >= noisy.at(8, 64).seconds[0]  # extrapolation never falls
+    with pytest.raises(ValueError):
+        CostGrid((64,), (1,), (1,), (((0.0,),),))
+
+
+@pytest.mark.parametrize("max_running, limit, batches", [(64, 9, (1, 2, 4, 8)), (64, 0, (1, 2, 4, 8, 16)),
+                                                          (64, 5, (1, 2, 4)), (64, 2, (1,)), (3, 0, (1, 2))])
+def test_calibration_times_the_batches_that_can_speculate(max_running, limit, batches):
+    assert calibration_batches(max_running, limit) == batches
 
 
 def test_a_wide_batch_decodes_plainly_where_one_sequence_drafts():
