@@ -12,7 +12,7 @@ DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 # drafting time that the head's few accepted tokens do not repay (README, "Benchmarks"; bench/spec_profile.py)
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 1, 1, 2
 # decode batches of 9+ decode plainly: with rank 0's budget on at every size, N clients in a closed loop on real
-# answers measured 1.21x plain at 4, 1.15x at 8 and 0.94x at 16 (bench/spec_batch.py, README)
+# answers measured 1.22x plain at 4, 1.13x at 8 and 0.92x at 16 (bench/spec_batch.py, README)
 DEFAULT_DISABLE_BATCH_SIZE = 9
 
 
