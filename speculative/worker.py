@@ -119,7 +119,7 @@ class SpecWorker:
     @torch.inference_mode()
     def calibrate(self) -> CostGrid:
         """Seconds of a verify forward (with its LM head) by context, batch size and rows per sequence, measured
-        here before serving (about 2 s on 2 CPU cores with batches up to 8). Every rank runs the same forwards
+        here before serving (about 3 s on 2 CPU cores with batches up to 8). Every rank runs the same forwards
         (their collectives pair up); rank 0's timings are the ones it decides with."""
         top = self.spec.num_draft_tokens + self.spec.context_tokens
         per_seq = tuple(sorted({r for r in CALIBRATION_PER_SEQ if r < top} | {top}))
