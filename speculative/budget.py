@@ -38,14 +38,7 @@ class CostTable:
     overhead: dict[str, float] | None = None
 
     def verify(self, rows: float) -> float:
-        xs, ys = self.rows, self.seconds
-        if rows <= xs[0]:
-            return ys[0]
-        for i in range(1, len(xs)):
-            if rows <= xs[i]:
-                return ys[i - 1] + (ys[i] - ys[i - 1]) * (rows - xs[i - 1]) / (xs[i] - xs[i - 1])
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-        return ys[-1] + slope * (rows - xs[-1])
+        return self.seconds[0] if rows <= self.rows[0] else interpolate(self.rows, self.seconds, rows)
 
     @classmethod
     def from_json(cls, data: dict) -> CostTable:
@@ -70,7 +63,7 @@ class CostTable:
         return {str(r): round(1000 * x, 3) for r, x in zip(self.rows, self.seconds)}
 
 
-def _interp(xs: tuple[float, ...], ys: list[float], x: float) -> float:
+def interpolate(xs: tuple[float, ...], ys: tuple[float, ...] | list[float], x: float) -> float:
     """Piecewise linear through (xs, ys), linear beyond both ends (a single point: constant)."""
     if len(xs) == 1:
         return ys[0]
@@ -109,11 +102,11 @@ class CostGrid:
     def at(self, batch: int, context: float) -> CostTable:
         """The verify cost by total rows for `batch` sequences of `context` tokens on average: linear between
         and beyond the measured batches and contexts, never falling as rows grow."""
-        by_ctx = [[_interp(self.batches, [self.seconds[c][b][r] for b in range(len(self.batches))], batch)
+        by_ctx = [[interpolate(self.batches, [self.seconds[c][b][r] for b in range(len(self.batches))], batch)
                    for r in range(len(self.per_seq))] for c in range(len(self.contexts))]
         seconds, floor = [], self.seconds[0][0][0]  # the cheapest cell (the grid only rises)
         for r in range(len(self.per_seq)):
-            s = max(floor, _interp(self.contexts, [by_ctx[c][r] for c in range(len(self.contexts))], context))
+            s = max(floor, interpolate(self.contexts, [by_ctx[c][r] for c in range(len(self.contexts))], context))
             seconds.append(max(s, seconds[-1]) if seconds else s)
         return CostTable(tuple(batch * r for r in self.per_seq), tuple(seconds))
 

@@ -22,7 +22,7 @@ from worker.protocol import SpecPlan
 from worker.quant import METHOD_BITS, QBlocks
 from worker.runner import ModelRunner
 
-from .budget import CostGrid, CostTable
+from .budget import CostGrid, CostTable, interpolate
 from .decisions import Commit, Selection, SpecDecisions
 from .heads import DraftHead, load_draft_head, resolve_draft_path
 from .tree import DraftTree, VerifyTree, build_verify_tree
@@ -58,14 +58,6 @@ def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int,
         if b >= top:
             break
     return tuple(out) or (1,)
-
-
-def _extend(points: list[tuple[int, float]], xs: tuple[int, ...]) -> tuple[float, ...]:
-    """Seconds at each of `xs`: the measured ones, and the rest linear beyond the last two measured points."""
-    (x0, y0), (x1, y1) = points[-2] if len(points) > 1 else points[-1], points[-1]
-    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 != x0 else 0.0
-    known = dict(points)
-    return tuple(known.get(x, y1 + slope * (x - x1)) for x in xs)
 
 
 @dataclass
@@ -156,9 +148,13 @@ class SpecWorker:
             for case in cases:
                 times[case].append(forward(*case))
         measured = {case: sorted(t)[1] for case, t in times.items()}
-        seconds = tuple(tuple(_extend([(r, measured[(c, b, r)]) for r in per_seq if (c, b, r) in measured], per_seq)
-                              for b in batches) for c in contexts)
-        return CostGrid(contexts, batches, per_seq, seconds)
+
+        def row(c: int, b: int) -> tuple[float, ...]:
+            """Rows not timed: linear beyond the last two timed (CostGrid raises any that would fall)."""
+            xs = tuple(r for r in per_seq if (c, b, r) in measured)
+            return tuple(interpolate(xs, [measured[(c, b, r)] for r in xs], r) for r in per_seq)
+
+        return CostGrid(contexts, batches, per_seq, tuple(tuple(row(c, b) for b in batches) for c in contexts))
 
     def _store_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
         self.features.index_copy_(0, slot_mapping, self.head.stored(hidden, aux).to(self.features.dtype))
