@@ -4,6 +4,7 @@ over pyzmq, and routes their outputs to per-request queues (sync or asyncio)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -31,6 +32,8 @@ from worker.stats import EngineSnapshot
 from worker.tokenizer import load_tokenizer
 
 from .rank_main import run_rank
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -113,6 +116,7 @@ class Engine:
         check_tp_divisibility(self.model_cfg, config.tp_size)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)
         self.on_step, self.on_fatal = on_step, on_fatal
+        self.observer_errors = 0  # observer (on_step/on_fatal) calls that raised
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -273,8 +277,7 @@ class Engine:
             if isinstance(msg, Fatal):
                 if msg.kind == "RankDivergenceError":
                     self.stats.rank_divergences += 1
-                if self.on_fatal is not None:
-                    self.on_fatal(msg)
+                self._observe(self.on_fatal, msg)
                 self._mark_dead(msg.message)
                 continue
             if not isinstance(msg, StepReport):
@@ -288,8 +291,19 @@ class Engine:
                         del self._sinks[out.request_id]
                 if sink is not None:
                     sink.put(out)
-            if self.on_step is not None:
-                self.on_step(msg)
+            self._observe(self.on_step, msg)
+
+    def _observe(self, callback: Callable | None, msg) -> None:
+        """Run an observer (the server's metrics) on the receiver thread. Its failure is logged (the first with its
+        traceback) and never ends the thread that delivers every request's outputs: requests in flight would hang."""
+        if callback is None:
+            return
+        try:
+            callback(msg)
+        except Exception:  # noqa: BLE001 - an observer's bug must not stop output delivery
+            self.observer_errors += 1
+            if self.observer_errors == 1:
+                log.exception("engine observer %r failed on a %s; outputs keep flowing", callback, type(msg).__name__)
 
     # --- requests --------------------------------------------------------------------------------------
     def _send(self, msg) -> None:

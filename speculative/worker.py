@@ -14,13 +14,14 @@ from torch import nn
 
 from worker import cpu_kernels
 from worker.attention import SeqSlice, TreeKeys, build_attention_metadata, slots_of
-from worker.config import EngineConfig
+from worker.config import EngineConfig, SpecConfig
 from worker.dist import TPGroup
 from worker.layers import pack_cpu_linears, quantize_linears
 from worker.model_files import ModelLoadError
 from worker.protocol import SpecPlan
 from worker.quant import METHOD_BITS, QBlocks
 from worker.runner import ModelRunner
+from worker.triton_attention import MAX_TREE_NODES
 
 from .budget import CostGrid, CostTable, interpolate
 from .decisions import Commit, Selection, SpecDecisions
@@ -46,6 +47,17 @@ def draft_bits(choice: str, target: nn.Module) -> int | None:
         quantized = any(isinstance(getattr(m, "qweight", None), QBlocks) for m in target.modules())
         return 8 if quantized else None
     return METHOD_BITS[choice]
+
+
+def check_tree_width(spec: SpecConfig, backend: str) -> None:
+    """The Triton kernels carry a tree row's visible nodes as one int64 bitmask (`MAX_TREE_NODES`): refuse a tree
+    wider than that at start-up, not at the first step (or the calibration) that builds one."""
+    widest = max(spec.num_draft_tokens + spec.context_tokens, (spec.num_steps - 1) * spec.eagle_topk)
+    if backend == "triton" and widest > MAX_TREE_NODES:
+        raise ValueError(f"the speculative tree holds up to {widest} nodes (num_draft_tokens {spec.num_draft_tokens} "
+                         f"+ context tokens {spec.context_tokens}; draft levels {spec.num_steps - 1} x topk "
+                         f"{spec.eagle_topk}); the Triton attention backend takes at most {MAX_TREE_NODES}: lower "
+                         f"--speculative-num-draft-tokens or --speculative-context-tokens")
 
 
 def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int, ...]:
@@ -74,6 +86,7 @@ class SpecWorker:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tp: TPGroup):
         self.config, self.runner, self.tp = config, runner, tp
         self.spec = config.spec
+        check_tree_width(self.spec, runner.attention_backend)
         max_pos = runner.model.rope.cos.shape[0]
         self.head: DraftHead = load_draft_head(resolve_draft_path(self.spec.draft_model_path), runner.model, tp,
                                                runner.dtype, max_pos)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -17,8 +18,11 @@ import pytest
 from conftest import ServerProcess
 from helpers import alive, descendants, save_copy_eagle_head
 
+from runtime.engine import Engine
+from worker.config import EngineConfig
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
+from worker.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from load import run_load  # noqa: E402
@@ -228,3 +232,23 @@ def test_sigterm_under_load_drains_and_exits_zero(tiny_llama, head):
         time.sleep(0.1)
     assert not alive(tree), f"orphans: {alive(tree)}"
     assert "eaglegate: stopped" in s.output()
+
+
+def test_a_failing_step_observer_never_stops_outputs(tiny_llama, caplog):
+    """The server's metrics run on the engine's receiver thread: an observer that raises is logged once and counted,
+    and every request still gets its whole answer (before, the raise ended the thread and every request hung)."""
+    calls = []
+
+    def broken(report):
+        calls.append(report)
+        raise RuntimeError("metrics bug")
+
+    cfg = EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048)
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(cfg) as reference:
+        expected = [r.token_ids for r in reference.generate([[1, 2, 3], [4, 5]], params)]
+    with caplog.at_level(logging.ERROR, logger="runtime.engine"), Engine(cfg, on_step=broken) as eng:
+        got = [r.token_ids for r in eng.generate([[1, 2, 3], [4, 5]], params, timeout=60)]
+        assert got == expected and all(len(t) == 8 for t in got)
+        assert eng.observer_errors == len(calls) >= 8
+    assert sum("metrics bug" in r.exc_text for r in caplog.records if r.exc_text) == 1

@@ -20,8 +20,8 @@ from speculative.corpus import Corpus, load_corpus
 from speculative.decisions import LeaderState, SpecDecisions
 from speculative.defaults import default_spec_config
 from speculative.tree import DraftTree, VerifyTree, build_verify_tree
-from speculative.worker import calibration_batches
-from worker.config import EngineConfig
+from speculative.worker import calibration_batches, check_tree_width
+from worker.config import EngineConfig, SpecConfig
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
 from worker.sampling import SamplingParams
@@ -167,6 +167,19 @@ def test_a_noisy_grid_never_falls_with_rows_batch_or_context():
                                                           (64, 5, (1, 2, 4)), (64, 2, (1,)), (3, 0, (1, 2))])
 def test_calibration_times_the_batches_that_can_speculate(max_running, limit, batches):
     assert calibration_batches(max_running, limit) == batches
+
+
+def test_a_tree_wider_than_the_triton_bitmask_is_refused_at_start_up():
+    """The Triton kernels carry a tree row's nodes in one int64 (63 nodes): a wider tree is a clear start-up error
+    there, where it would otherwise trip an assert in the first step (or the calibration) that builds one."""
+    wide = SpecConfig("EAGLE3", num_steps=4, eagle_topk=1, num_draft_tokens=5, context_tokens=59)
+    check_tree_width(wide, "torch")  # the reference path takes any tree
+    check_tree_width(dataclasses.replace(wide, context_tokens=58), "triton")  # 63 nodes: the widest that fits
+    with pytest.raises(ValueError, match="at most 63"):
+        check_tree_width(wide, "triton")
+    with pytest.raises(ValueError, match="draft levels 8 x topk 8"):
+        check_tree_width(SpecConfig("EAGLE3", num_steps=9, eagle_topk=8, num_draft_tokens=16, context_tokens=0),
+                         "triton")
 
 
 def test_a_wide_batch_decodes_plainly_where_one_sequence_drafts():
