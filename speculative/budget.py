@@ -21,7 +21,6 @@ import torch
 
 DRAFT, CONTEXT_ONLY, PLAIN = "draft", "context", "plain"  # the kinds of decode step rank 0 chooses between
 EMA = 0.2  # weight of a new measurement in the running estimates
-RELAX = 0.05  # per skipped step, how far the EAGLE estimate moves back to the optimistic prior (re-probing)
 OVERHEAD_WINDOW = 5  # a kind's overhead is the median of its last this many steps: one slow step does not move it
 PROBE_AFTER = 64  # steps at a batch size after which a speculative kind passed over is run once to be re-measured
 PROBE_MAX = 1024  # the longest probe interval, after probes that keep finding the kind slower
@@ -300,16 +299,15 @@ class Estimates:
     def chose(self, kind: str, batch: int) -> None:
         """After rank 0 picks `kind`: the step clock; a kind run after its probe interval waits twice as long for
         the next probe (a wide batch's draft probe costs two plain steps, its draft catching up on every token
-        since the last), one run sooner is back to PROBE_AFTER; and the EAGLE acceptance estimate moves back toward
-        the optimistic prior while drafting is passed over (the text changes; a hard stretch must not end
-        drafting)."""
+        since the last), one run sooner is back to PROBE_AFTER. The probes also re-measure the EAGLE acceptance (a
+        hard stretch of text does not end drafting for good). It no longer drifts back to the optimistic prior
+        while drafting is passed over: that had rank 0 draft every few steps wherever the measured acceptance did
+        not pay, whatever the probes' back-off (tests/test_spec_budget.py)."""
         now, key = self.steps.get(batch, 0), (kind, batch)
         if kind != PLAIN:
             wait = self.probe_after.get(key, PROBE_AFTER)
             self.probe_after[key] = min(2 * wait, PROBE_MAX) if now - self.last_run.get(key, 0) >= wait else PROBE_AFTER
         self.steps[batch] = self.last_run[key] = now + 1
-        if kind != DRAFT:
-            self.eagle_gain += RELAX * (self.eagle_prior - self.eagle_gain)
         self.calibration.fade()
 
     def observe_context(self, key: tuple[int, int], offered: int, accepted: int) -> None:

@@ -102,6 +102,27 @@ def test_a_kind_priced_out_by_one_slow_step_is_tried_again():
     assert drafted == [budget.PROBE_AFTER, 3 * budget.PROBE_AFTER + 1]  # then twice as long
 
 
+def test_a_head_measured_below_paying_is_drafted_again_only_by_probes():
+    """Where the draft's measured acceptance does not pay for its rows (a wide batch on a CPU whose verify cost grows
+    with every row), drafting is retried at the probes' backed-off interval. The estimate used to drift back to the
+    optimistic prior on every step passed over, and rank 0 drafted every 6-7 steps here at a loss."""
+    est = Estimates(eagle_prior=1.0)
+    table = CostTable((1, 2), (0.010, 0.015))  # a draft step pays above 0.45 accepted tokens
+    est.observe_step(budget.PLAIN, 1, 0.001)
+    est.observe_step(budget.DRAFT, 1, 0.001)
+    assert budget.plan_step(est, table, [[]], 1)[0] == budget.DRAFT  # the optimistic prior: try it
+    est.chose(budget.DRAFT, 1)
+    est.observe_draft(1, 0.001, [0] * 10)  # measured: the head's tokens are rejected
+    kinds = []
+    for _ in range(4 * budget.PROBE_AFTER):
+        kind, _ = budget.plan_step(est, table, [[]], 1)
+        kinds.append(kind)
+        est.chose(kind, 1)
+        if kind == budget.DRAFT:
+            est.observe_draft(1, 0.001, [0])
+    assert [i for i, k in enumerate(kinds) if k == budget.DRAFT] == [budget.PROBE_AFTER, 3 * budget.PROBE_AFTER + 1]
+
+
 def test_a_probe_that_measures_a_normal_step_brings_drafting_back():
     est = Estimates(eagle_prior=1.0)
     flat = CostTable.from_json(FLAT)
