@@ -262,6 +262,7 @@ def main() -> None:
                 r["variant"] = variant
                 r["cost_table_ms"] = spec.stats.values.get("spec_verify_cost_ms")
                 r["draft_calibration"] = spec.stats.values.get("spec_draft_calibration")  # rank 0's, by depth
+                r["disable_batch_size"] = spec.stats.values.get("spec_disable_batch_size")  # rank 0's batch limit
                 results["settings"].append(r)
                 src = r["sources"]
                 print(f"[{r['label']}] tau {r['tau']:.2f}  tokens/step {r['tokens_per_step']:.2f}  plain "

@@ -12,13 +12,15 @@ DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 # drafting time that the head's few accepted tokens do not repay (README, "Benchmarks"; bench/spec_profile.py)
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 1, 1, 2
 # decode batches of 9+ decode plainly: with rank 0's budget on at every size, N clients in a closed loop on real
-# answers measured 1.22x plain at 4, 1.13x at 8 and 0.92x at 16 (bench/spec_batch.py, README)
+# answers measured 1.22x plain at 4, 1.13x at 8 and 0.92x at 16 on a 2-core Xeon with AMX (bench/spec_batch.py,
+# README). Rank 0 lowers it where its start-up timing finds verify rows dearer (speculative/worker.py: batch_limit)
 DEFAULT_DISABLE_BATCH_SIZE = 9
 
 
 def default_spec_config() -> SpecConfig:
     return SpecConfig("EAGLE3", str(DEFAULT_HEAD), num_steps=DEFAULT_STEPS, eagle_topk=DEFAULT_TOPK,
-                      num_draft_tokens=DEFAULT_DRAFT_TOKENS, disable_batch_size=DEFAULT_DISABLE_BATCH_SIZE)
+                      num_draft_tokens=DEFAULT_DRAFT_TOKENS, disable_batch_size=DEFAULT_DISABLE_BATCH_SIZE,
+                      calibrate_batch_limit=True)
 
 
 def resolve_spec_config(args) -> SpecConfig:
@@ -36,7 +38,8 @@ def resolve_spec_config(args) -> SpecConfig:
                               accept_threshold_single=args.speculative_accept_threshold_single,
                               accept_threshold_acc=args.speculative_accept_threshold_acc,
                               disable_batch_size=d.disable_batch_size if args.speculative_disable_batch_size is None
-                              else args.speculative_disable_batch_size, **_common_args(args))
+                              else args.speculative_disable_batch_size,
+                              calibrate_batch_limit=args.speculative_disable_batch_size is None, **_common_args(args))
     algo = algo.upper()
     if algo == "NONE":
         return SpecConfig()

@@ -70,7 +70,7 @@ class SpecLeader(Leader):
         batch = self.scheduler.schedule(self.reserve)
         if not batch:
             return
-        limit = self.config.spec.disable_batch_size
+        limit = self.worker.batch_limit
         if all(self._decoding(item) for item in batch) and not (limit and len(batch) >= limit):
             self.spec_step(batch)
         else:  # prefill chunks (decodes ride along) or a batch too large to gain; the draft catches up next time
@@ -172,6 +172,7 @@ class SpecLeader(Leader):
         if self.worker.cost is not None:
             snap.spec_verify_cost_ms = self.worker.cost.as_ms()
             snap.spec_draft_calibration = self.estimates.calibration.summary()
+        snap.spec_disable_batch_size = self.worker.batch_limit
         return snap
 
 

@@ -26,7 +26,9 @@ def test_default_model_serves_with_the_shipped_head_by_default():
     spec = resolve_spec_config(_cli())
     assert spec.algorithm == "EAGLE3" and spec.draft_model_path == str(DEFAULT_HEAD)
     assert spec.disable_batch_size == 9  # large decode batches decode plainly unless told otherwise
-    assert resolve_spec_config(_cli("--speculative-disable-batch-size", "0")).disable_batch_size == 0
+    assert spec.calibrate_batch_limit  # rank 0 lowers the limit where its start-up timing finds rows dearer
+    explicit = resolve_spec_config(_cli("--speculative-disable-batch-size", "0"))
+    assert explicit.disable_batch_size == 0 and not explicit.calibrate_batch_limit  # as given
     assert (DEFAULT_HEAD / "model.safetensors").exists() and (DEFAULT_HEAD / "README.md").exists()
     assert resolve_spec_config(_cli("--speculative-algorithm", "NONE")).algorithm == "NONE"
     assert resolve_spec_config(_cli("--model-path", "/some/other/model")).algorithm == "NONE"
@@ -66,6 +68,7 @@ def test_large_decode_batches_skip_speculation_when_asked(smol_engine):
         alone = eng.generate([prompts[0]], params)[0].token_ids
         alone_steps = eng.stats.values["spec_verify_steps"]
         grid = eng.stats.values["spec_verify_cost_ms"]
+        assert eng.stats.values["spec_disable_batch_size"] == 2  # as given: not lowered, nor raised
     assert out == ref and alone == ref[0]
     assert batched_steps == 0
     assert alone_steps > 0

@@ -20,7 +20,7 @@ from speculative.corpus import Corpus, load_corpus
 from speculative.decisions import LeaderState, SpecDecisions
 from speculative.defaults import default_spec_config
 from speculative.tree import DraftTree, VerifyTree, build_verify_tree
-from speculative.worker import calibration_batches, check_tree_width
+from speculative.worker import batch_limit, calibration_batches, check_tree_width
 from worker.config import EngineConfig, SpecConfig
 from worker.model_config import load_model_config
 from worker.model_files import resolve_model
@@ -188,6 +188,24 @@ def test_a_noisy_grid_never_falls_with_rows_batch_or_context():
                                                           (64, 5, (1, 2, 4)), (64, 2, (1,)), (3, 0, (1, 2))])
 def test_calibration_times_the_batches_that_can_speculate(max_running, limit, batches):
     assert calibration_batches(max_running, limit) == batches
+
+
+def _grid(ms: dict[int, tuple[float, float]]) -> CostGrid:
+    """A calibration grid from {batch: (ms for one row per sequence, ms for two)}, the same at both contexts."""
+    rows = tuple((one / 1000, two / 1000) for one, two in ms.values())
+    return CostGrid(contexts=(64, 512), batches=tuple(ms), per_seq=(1, 2), seconds=(rows, rows))
+
+
+def test_the_default_batch_limit_follows_the_measured_cost_of_a_second_row():
+    """Measured at start-up (context 64, ms): on a 2-core EPYC without AMX a second row per sequence costs 1.67x
+    at batch 4, where the budget ran 0.99x plain with 4 clients; on a 2-core Xeon with AMX it costs 1.34x at batch
+    8, where the budget ran 1.13x. The shipped default's limit of 9 is lowered to the first such batch size only."""
+    epyc = _grid({1: (5.23, 5.23), 2: (5.23, 6.39), 4: (6.62, 11.04), 8: (11.80, 19.72)})
+    amx = _grid({1: (7.95, 7.98), 2: (8.17, 9.30), 4: (9.68, 11.33), 8: (11.88, 15.95)})
+    assert batch_limit(epyc, 9) == 4 and batch_limit(epyc, 0) == 4
+    assert batch_limit(amx, 9) == 9 and batch_limit(amx, 0) == 0  # never raised, nor set where every size pays
+    assert batch_limit(epyc, 3) == 3  # a lower limit stands
+    assert batch_limit(_grid({1: (5.0, 9.0), 2: (9.0, 12.0)}), 9) == 9  # batch 1 is the budget's alone
 
 
 def test_a_tree_wider_than_the_triton_bitmask_is_refused_at_start_up():

@@ -23,6 +23,10 @@ class SpecConfig:
     # decode batches of this many sequences or more run plain steps (0: never), where a wider verify costs more
     # than speculation saves (vLLM's disable_by_batch_size)
     disable_batch_size: int = 0
+    # the shipped default's limit: rank 0 lowers it to the first batch size where its start-up timing finds a second
+    # verify row per sequence costing more than half a step (speculative/worker.py: batch_limit); a limit the user
+    # gives is kept as given
+    calibrate_batch_limit: bool = False
     # prompt-lookup candidates joined to each verify tree (speculative/context.py); 0 turns them off
     context_tokens: int = 8
     context_ngram: int = 3

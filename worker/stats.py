@@ -61,6 +61,7 @@ class EngineSnapshot:
     # rank 0's verify cost: {rows: ms} from a file, or by context and batch size ({rows per sequence: ms}) measured
     spec_verify_cost_ms: dict | None = None
     spec_draft_calibration: dict[int, dict[str, float]] | None = None  # by draft depth (budget.Calibration.summary)
+    spec_disable_batch_size: int | None = None  # decode batches this large step plainly (0: none; rank 0's limit)
     prefix_cache: PrefixCacheCounts | None = None  # None with --disable-radix-cache
     graph_replays: int = 0  # target forwards run from captured graphs (worker/cuda_graph.py)
 
@@ -78,6 +79,8 @@ class EngineSnapshot:
             out["spec_verify_cost_ms"] = self.spec_verify_cost_ms
         if self.spec_draft_calibration is not None:
             out["spec_draft_calibration"] = self.spec_draft_calibration
+        if self.spec_disable_batch_size is not None:
+            out["spec_disable_batch_size"] = self.spec_disable_batch_size
         return out
 
 
