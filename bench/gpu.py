@@ -37,7 +37,8 @@ PROMPTS = ["Explain how a hash map works.", "Write a short poem about the sea.",
            "List five uses of Python.", "Summarise the plot of Hamlet.", "How do vaccines work?",
            "Give three tips for a job interview.", "Describe the water cycle."]
 # on a GPU a verify row costs far less than a step, so deeper trees than the CPU default (s1 k1 n2) can pay
-GPU_TREE = {"num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8, "disable_batch_size": 0}
+GPU_TREE = {"num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8, "disable_batch_size": 0,
+            "calibrate_batch_limit": False}
 
 
 def smol_shaped_model(folder: Path) -> Path:

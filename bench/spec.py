@@ -255,7 +255,8 @@ def main() -> None:
                                                           if v and v != "default"] + [(s, "default")
                                                                                       for s in settings[1:]]
         for (steps, topk, ndt), variant in runs:
-            spec_cfg = spec_config(draft, (steps, topk, ndt), disable, **VARIANTS[variant])
+            spec_cfg = spec_config(draft, (steps, topk, ndt), disable, **VARIANTS[variant],
+                                   calibrate_batch_limit=args.disable_batch_size is None)  # a limit asked for stands
             with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
                 r = single_stream(plain, spec, prompts, args.max_tokens)
                 r["label"] = f"s{steps} k{topk} n{ndt}" + ("" if variant == "default" else f" {variant}")

@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument("--name", default="spec_batch")
     args = ap.parse_args()
     fetch_default_model(quiet=True)
-    spec_cfg = dataclasses.replace(default_spec_config(), disable_batch_size=args.disable_batch_size)
+    spec_cfg = dataclasses.replace(default_spec_config(), disable_batch_size=args.disable_batch_size,
+                                   calibrate_batch_limit=False)  # the limit asked for, at every batch size
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0, ignore_eos=args.ignore_eos)
     results: dict = {"max_tokens": args.max_tokens, "disable_batch_size": args.disable_batch_size,
                      "ignore_eos": args.ignore_eos, "requests_per_client": args.requests_per_client, "batches": {}}
