@@ -290,10 +290,11 @@ class Estimates:
         kind priced out by a slow spell (a page fault, a noisy neighbour) is run once more to be measured again.
         Nudging the figures of passed-over kinds toward optimistic instead held them far below the truth (a batch
         of 16 priced its draft overhead at 4 ms against 18 ms measured, and drafted at 0.86x plain)."""
-        if self.frozen is not None:  # a cost-table file's overheads are not measured: nothing to re-measure
-            return []
+        kinds = (DRAFT, CONTEXT_ONLY)
+        if self.frozen is not None:  # a cost-table file's overheads are not measured; the EAGLE acceptance is, once
+            kinds = (DRAFT,) if self.eagle_gain < self.eagle_prior else ()  # drafting has run and found it lower
         now = self.steps.get(batch, 0)
-        return [k for k in (DRAFT, CONTEXT_ONLY)
+        return [k for k in kinds
                 if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)]
 
     def chose(self, kind: str, batch: int) -> None:

@@ -160,8 +160,8 @@ class SpecLeader(Leader):
             m.accept_lengths.append(a + 1)
             for i in range(a):
                 per_pos[i] += 1
-            if step.draft:
-                eagle_accepted.append(by_source[budget.EAGLE])
+            if step.draft and counts.eagle_tokens:  # per sequence that verified a draft token: a dropped one
+                eagle_accepted.append(by_source[budget.EAGLE])  # cost no row, and says nothing of what one earns
             est.observe_context(key, sel.num_context, by_source[key[0]])
         if step.draft:
             est.observe_draft(len(seqs), result.timings["draft"] - result.catch_up_seconds, eagle_accepted)

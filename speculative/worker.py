@@ -61,7 +61,8 @@ def check_tree_width(spec: SpecConfig, backend: str) -> None:
         raise ValueError(f"the speculative tree holds up to {widest} nodes (num_draft_tokens {spec.num_draft_tokens} "
                          f"+ context tokens {spec.context_tokens}; draft levels {spec.num_steps - 1} x topk "
                          f"{spec.eagle_topk}); the Triton attention backend takes at most {MAX_TREE_NODES}: lower "
-                         f"--speculative-num-draft-tokens or --speculative-context-tokens")
+                         f"--speculative-num-draft-tokens or --speculative-context-tokens, or --speculative-num-steps "
+                         f"or --speculative-eagle-topk")
 
 
 def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int, ...]:

@@ -249,6 +249,6 @@ def test_a_failing_step_observer_never_stops_outputs(tiny_llama, caplog):
         expected = [r.token_ids for r in reference.generate([[1, 2, 3], [4, 5]], params)]
     with caplog.at_level(logging.ERROR, logger="runtime.engine"), Engine(cfg, on_step=broken) as eng:
         got = [r.token_ids for r in eng.generate([[1, 2, 3], [4, 5]], params, timeout=60)]
-        assert got == expected and all(len(t) == 8 for t in got)
-        assert eng.observer_errors == len(calls) >= 8
+    assert got == expected and all(len(t) == 8 for t in got)
+    assert eng.observer_errors == len(calls) >= 8  # after shutdown joined the receiver: the counts are final
     assert sum("metrics bug" in r.exc_text for r in caplog.records if r.exc_text) == 1

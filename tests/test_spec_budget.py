@@ -149,6 +149,22 @@ def test_a_cost_table_file_is_never_probed():
         est.chose(kind, 1)
 
 
+def test_with_a_cost_table_file_a_measured_head_is_drafted_again_by_probes():
+    """A file's overheads are never re-measured, but the EAGLE acceptance is: once drafting measured it below paying,
+    a probe drafts again at the backed-off interval (else a stretch of rejected drafts would end drafting for good)."""
+    est = Estimates(eagle_prior=1.0, frozen={})
+    table = CostTable((1, 2), (0.010, 0.015))  # a draft step pays above 0.5 accepted tokens
+    assert budget.plan_step(est, table, [[]], 1)[0] == budget.DRAFT
+    est.chose(budget.DRAFT, 1)
+    est.observe_draft(1, 0.001, [0] * 10)
+    kinds = []
+    for _ in range(4 * budget.PROBE_AFTER):
+        kind, _ = budget.plan_step(est, table, [[]], 1)
+        kinds.append(kind)
+        est.chose(kind, 1)
+    assert [i for i, k in enumerate(kinds) if k == budget.DRAFT] == [budget.PROBE_AFTER, 3 * budget.PROBE_AFTER + 1]
+
+
 def test_one_slow_step_does_not_move_a_kinds_price():
     est = Estimates(eagle_prior=1.0)
     for seconds in (0.002, 0.002, 0.5, 0.002, 0.003):  # a page fault in the middle
