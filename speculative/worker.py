@@ -53,10 +53,16 @@ def draft_bits(choice: str, target: nn.Module) -> int | None:
     return METHOD_BITS[choice]
 
 
+def tree_width(spec: SpecConfig) -> int:
+    """Nodes past the root a step's tree can hold: the verify tree (draft and context candidates) or the draft
+    scratch (the fed draft levels), whichever is wider."""
+    return max(spec.num_draft_tokens + spec.context_tokens, (spec.num_steps - 1) * spec.eagle_topk)
+
+
 def check_tree_width(spec: SpecConfig, backend: str) -> None:
     """The Triton kernels carry a tree row's visible nodes as one int64 bitmask (`MAX_TREE_NODES`): refuse a tree
     wider than that at start-up, not at the first step (or the calibration) that builds one."""
-    widest = max(spec.num_draft_tokens + spec.context_tokens, (spec.num_steps - 1) * spec.eagle_topk)
+    widest = tree_width(spec)
     if backend == "triton" and widest > MAX_TREE_NODES:
         raise ValueError(f"the speculative tree holds up to {widest} nodes (num_draft_tokens {spec.num_draft_tokens} "
                          f"+ context tokens {spec.context_tokens}; draft levels {spec.num_steps - 1} x topk "
@@ -140,8 +146,7 @@ class SpecWorker:
     @property
     def reserve(self) -> int:
         """KV slots past the root a decoding sequence needs: the verify tree and the draft scratch."""
-        s = self.spec
-        return max(s.num_draft_tokens + s.context_tokens, (s.num_steps - 1) * s.eagle_topk) + 1
+        return tree_width(self.spec) + 1
 
     @torch.inference_mode()
     def calibrate(self) -> CostGrid:
