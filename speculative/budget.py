@@ -11,6 +11,7 @@ Every choice reaches the other ranks through the plan or the decision channel; n
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -70,6 +71,15 @@ def interpolate(xs: tuple[float, ...], ys: tuple[float, ...] | list[float], x: f
     while i < len(xs) - 1 and x > xs[i]:
         i += 1
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def timed_row(timed: dict[int, float], per_seq: tuple[int, ...]) -> tuple[float, ...]:
+    """Seconds for each of per_seq's row counts from those timed: each timing first raised to those of fewer rows
+    (two tiny timings that fall by noise would extrapolate to a negative cost), then linear between them and
+    beyond the last two."""
+    xs = tuple(sorted(timed))
+    ys = list(itertools.accumulate((timed[r] for r in xs), max))
+    return tuple(interpolate(xs, ys, r) for r in per_seq)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from worker.quant import METHOD_BITS, QBlocks
 from worker.runner import ModelRunner
 from worker.triton_attention import MAX_TREE_NODES
 
-from .budget import CostGrid, CostTable, interpolate
+from .budget import CostGrid, CostTable, timed_row
 from .decisions import Commit, Selection, SpecDecisions
 from .heads import DraftHead, load_draft_head, resolve_draft_path
 from .tree import DraftTree, VerifyTree, build_verify_tree
@@ -190,9 +190,7 @@ class SpecWorker:
         measured = {case: sorted(t)[1] for case, t in times.items()}
 
         def row(c: int, b: int) -> tuple[float, ...]:
-            """Rows not timed: linear beyond the last two timed (CostGrid raises any that would fall)."""
-            xs = tuple(r for r in per_seq if (c, b, r) in measured)
-            return tuple(interpolate(xs, [measured[(c, b, r)] for r in xs], r) for r in per_seq)
+            return timed_row({r: measured[(c, b, r)] for r in per_seq if (c, b, r) in measured}, per_seq)
 
         return CostGrid(contexts, batches, per_seq, tuple(tuple(row(c, b) for b in batches) for c in contexts))
 
