@@ -3,9 +3,9 @@ cycled so they are not cache-resident) per row count T, in groupwise int4 and in
 int4 kernel (int8 as two int4 planes), and oneDNN's prepacked bfloat16, plus the tied 49152-row LM head. Kernels
 take turns within each repetition, so the machine's drift falls on all of them alike.
 
-    .venv/bin/python bench/kernels.py [--rows 1,2,3,4,5,6,8,16,64] [--reps 7]
+    .venv/bin/python bench/kernels.py [--rows 1,2,3,4,5,6,8,16,64] [--reps 7] [--name kernels]
 
-Writes bench/results/kernels.json (medians in ms, with the command and commit).
+Writes bench/results/<name>.json (medians in ms, with the command and commit).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,16,64")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--name", default="kernels", help="results file name (another machine's run beside this one's)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     dense = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
@@ -96,8 +97,9 @@ def main() -> None:
         print(f"T={rows}: " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     OUT.mkdir(exist_ok=True)
     result = provenance() | {"unit": "ms, median", "table": table}
-    (OUT / "kernels.json").write_text(json.dumps(result, indent=2))
-    print(f"results in {OUT / 'kernels.json'}")
+    path = OUT / f"{args.name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"results in {path}")
 
 
 if __name__ == "__main__":
