@@ -165,8 +165,8 @@ def gpu_table(d: dict) -> str:
     return "\n".join([head, "", *rows, "", *missing, *([""] if missing else []), _source(d)])
 
 
-TABLES = {"gpu": gpu_table, "kernels": kernels_table, "spec": spec_table, "spec_epyc": spec_table,
-          "quant": quant_table, "prefix": prefix_table, "step": step_table}
+TABLES = {"gpu": gpu_table, "kernels": kernels_table, "kernels_epyc": kernels_table, "spec": spec_table,
+          "spec_epyc": spec_table, "quant": quant_table, "prefix": prefix_table, "step": step_table}
 
 
 def render(readme: str) -> str:
