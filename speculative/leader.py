@@ -23,6 +23,7 @@ from .budget import Calibration, Estimates
 from .context import context_draft
 from .corpus import MAX_MATCH, load_corpus
 from .decisions import Commit, DecisionChannel, LeaderState, SpecDecisions
+from .tree import draft_only_accepted
 from .worker import SpecResult, SpecWorker
 
 # corpus chains share an acceptance estimate by how many occurrences back their first token (1, 2-4, 5-19, 20+)
@@ -160,8 +161,11 @@ class SpecLeader(Leader):
             m.accept_lengths.append(a + 1)
             for i in range(a):
                 per_pos[i] += 1
-            if step.draft and counts.eagle_tokens:  # per sequence that verified a draft token: a dropped one
-                eagle_accepted.append(by_source[budget.EAGLE])  # cost no row, and says nothing of what one earns
+            # per sequence that verified a draft-only token (a dropped one cost no row, and one the chain also
+            # proposed would have been verified without drafting): what drafting added
+            added = draft_only_accepted(vt, commit.path) if step.draft else None
+            if added is not None:
+                eagle_accepted.append((bool(q.context_ids), added))
             est.observe_context(key, sel.num_context, by_source[key[0]])
         if step.draft:
             est.observe_draft(len(seqs), result.timings["draft"] - result.catch_up_seconds, eagle_accepted)

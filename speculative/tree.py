@@ -118,3 +118,11 @@ def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], con
         vt.sources[nxt] |= source
         node = nxt
     return vt
+
+
+def draft_only_accepted(vt: VerifyTree, path: list[int]) -> int | None:
+    """Accepted nodes on `path` that only the EAGLE draft proposed (what drafting added beside the chain), or None
+    where the tree holds no such node (drafting added no row)."""
+    if EAGLE not in vt.sources:
+        return None
+    return sum(1 for node in path if vt.sources[node] == EAGLE)

@@ -19,7 +19,7 @@ from speculative.context import context_draft
 from speculative.corpus import Corpus, load_corpus
 from speculative.decisions import LeaderState, SpecDecisions
 from speculative.defaults import default_spec_config
-from speculative.tree import DraftTree, VerifyTree, build_verify_tree
+from speculative.tree import DraftTree, VerifyTree, build_verify_tree, draft_only_accepted
 from speculative.worker import batch_limit, calibration_batches, check_tree_width
 from worker.config import EngineConfig, SpecConfig
 from worker.model_config import load_model_config
@@ -82,8 +82,32 @@ def test_plan_step_picks_plain_when_drafting_cannot_pay():
     ctx = [budget.context_candidates(0, 3, 0.5)]
     assert budget.plan_step(est, CostTable.from_json(STEEP), ctx, 4)[0] == budget.PLAIN
     assert budget.plan_step(est, CostTable.from_json(FLAT), ctx, 4)[0] == budget.DRAFT
-    est.eagle_gain = 0.0  # a head that never hits: free context candidates alone
+    est.eagle_gain = {False: 0.0, True: 0.0}  # a head that never hits: free context candidates alone
     assert budget.plan_step(est, CostTable.from_json(FLAT), ctx, 4) == (budget.CONTEXT_ONLY, [3])
+
+
+def test_a_draft_beside_a_chain_is_priced_by_what_it_adds():
+    """Beside a free chain a draft earns only the tokens the chain did not also propose: with the head adding little
+    there, rank 0 drafts for a sequence without a chain and verifies the chain alone for one with it."""
+    est = Estimates(eagle_prior=1.0)
+    table = CostTable((1, 2, 3), (0.010, 0.014, 0.018))  # a row pays above 0.4 accepted tokens
+    for kind in (budget.PLAIN, budget.DRAFT, budget.CONTEXT_ONLY):
+        est.observe_step(kind, 1, 0.001)
+    est.observe_draft(1, 0.001, [(False, 1)] * 20 + [(True, 0)] * 20)
+    assert est.eagle_gain[False] > 0.9 and est.eagle_gain[True] < 0.1
+    assert budget.plan_step(est, table, [[]], 1)[0] == budget.DRAFT
+    assert budget.plan_step(est, table, [budget.context_candidates(0, 1, 0.6)], 1) == (budget.CONTEXT_ONLY, [1])
+
+
+def test_only_draft_only_tokens_count_as_what_drafting_added():
+    t = DraftTree()
+    t.add(11, -1, -0.1)
+    merged = build_verify_tree(7, t, [0], [11, 12])  # the chain repeats the draft token: one shared node
+    assert merged.sources[1] == budget.EAGLE | budget.CONTEXT and draft_only_accepted(merged, [1, 2]) is None
+    t2 = DraftTree()
+    t2.add(31, -1, -0.1)
+    apart = build_verify_tree(7, t2, [0], [11, 12])  # the draft proposes another first token
+    assert draft_only_accepted(apart, [1]) == 1 and draft_only_accepted(apart, [2, 3]) == 0
 
 
 def test_a_kind_priced_out_by_one_slow_step_is_tried_again():
@@ -112,14 +136,14 @@ def test_a_head_measured_below_paying_is_drafted_again_only_by_probes():
     est.observe_step(budget.DRAFT, 1, 0.001)
     assert budget.plan_step(est, table, [[]], 1)[0] == budget.DRAFT  # the optimistic prior: try it
     est.chose(budget.DRAFT, 1)
-    est.observe_draft(1, 0.001, [0] * 10)  # measured: the head's tokens are rejected
+    est.observe_draft(1, 0.001, [(False, 0)] * 10)  # measured: the head's tokens are rejected
     kinds = []
     for _ in range(4 * budget.PROBE_AFTER):
         kind, _ = budget.plan_step(est, table, [[]], 1)
         kinds.append(kind)
         est.chose(kind, 1)
         if kind == budget.DRAFT:
-            est.observe_draft(1, 0.001, [0])
+            est.observe_draft(1, 0.001, [(False, 0)])
     assert [i for i, k in enumerate(kinds) if k == budget.DRAFT] == [budget.PROBE_AFTER, 3 * budget.PROBE_AFTER + 1]
 
 
@@ -156,7 +180,7 @@ def test_with_a_cost_table_file_a_measured_head_is_drafted_again_by_probes():
     table = CostTable((1, 2), (0.010, 0.015))  # a draft step pays above 0.5 accepted tokens
     assert budget.plan_step(est, table, [[]], 1)[0] == budget.DRAFT
     est.chose(budget.DRAFT, 1)
-    est.observe_draft(1, 0.001, [0] * 10)
+    est.observe_draft(1, 0.001, [(False, 0)] * 10)
     kinds = []
     for _ in range(4 * budget.PROBE_AFTER):
         kind, _ = budget.plan_step(est, table, [[]], 1)
@@ -249,7 +273,7 @@ def test_a_wide_batch_decodes_plainly_where_one_sequence_drafts():
     """Per row, a batch of 8 verifies at more than twice one sequence's cost (measured: bench/spec_batch.py); with
     the same estimates, rank 0 drafts for one sequence and takes plain steps for eight."""
     est = Estimates(eagle_prior=1.0)
-    est.eagle_gain = 0.5
+    est.eagle_gain = {False: 0.5, True: 0.5}
     for batch in (1, 8):
         est.observe_step(budget.DRAFT, batch, 0.002 * batch)
         est.observe_step(budget.PLAIN, batch, 0.0005)
