@@ -74,11 +74,15 @@ def interpolate(xs: tuple[float, ...], ys: tuple[float, ...] | list[float], x: f
 
 def timed_row(timed: dict[int, float], per_seq: tuple[int, ...]) -> tuple[float, ...]:
     """Seconds for each of per_seq's row counts from those timed: each timing first raised to those of fewer rows
-    (two tiny timings that fall by noise would extrapolate to a negative cost), then linear between them and
-    beyond the last two."""
+    (two tiny timings that fall by noise would extrapolate to a negative cost), then linear between them, and beyond
+    the last at the steeper of the last two's slope and the whole span's (so one high timing before the last does
+    not price every wider tree at the last timing)."""
     xs = tuple(sorted(timed))
     ys = list(itertools.accumulate((timed[r] for r in xs), max))
-    return tuple(interpolate(xs, ys, r) for r in per_seq)
+    if len(xs) < 2:
+        return tuple(ys[0] for _ in per_seq)
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), (ys[-1] - ys[0]) / (xs[-1] - xs[0]))
+    return tuple(interpolate(xs, ys, r) if r <= xs[-1] else ys[-1] + slope * (r - xs[-1]) for r in per_seq)
 
 
 @dataclass(frozen=True)
@@ -245,14 +249,16 @@ class Calibration:
 @dataclass
 class Estimates:
     """Rank 0's running figures: each kind of step's seconds besides its verify forward (by batch size), the
-    EAGLE drafting seconds, EAGLE tokens accepted per drafted step, what the draft's confidence is worth by depth
+    EAGLE drafting seconds, EAGLE tokens accepted per drafted sequence (by whether a chain was offered beside the
+    draft), what the draft's confidence is worth by depth
     (`Calibration`), and the per-token acceptance of chain candidates by key, (CONTEXT or CORPUS, match length)
     (successes / trials, from a uniform prior)."""
 
     eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
     calibration: Calibration = field(default_factory=lambda: Calibration(1))
-    # EAGLE tokens accepted per drafted sequence, by whether a free chain was offered beside the draft. Beside one,
-    # only draft tokens the chain did not also propose count: a token both propose costs no extra row, and the
+    # EAGLE tokens accepted per drafted sequence that verified a draft-only token (what a verified draft row earns,
+    # as the guessed candidates of plan_step price it), by whether a free chain was offered beside the draft. Beside
+    # one, only draft tokens the chain did not also propose count: a token both propose costs no extra row, and the
     # chain alone would have found it. Counting those too, rank 0 drafted beside chains where the draft added
     # little (40 MT-bench questions on a 2-core EPYC: 1,372 drafted steps against 278, at 0.97x the speed)
     eagle_gain: dict[bool, float] = field(default_factory=dict)
@@ -307,7 +313,8 @@ class Estimates:
         of 16 priced its draft overhead at 4 ms against 18 ms measured, and drafted at 0.86x plain)."""
         kinds = (DRAFT, CONTEXT_ONLY)
         if self.frozen is not None:  # a cost-table file's overheads are not measured; the EAGLE acceptance is, once
-            kinds = (DRAFT,) if min(self.eagle_gain.values()) < self.eagle_prior else ()  # drafting found it lower
+            # drafting has found it lower (beside a chain or without one: the probe drafts for both alike)
+            kinds = (DRAFT,) if min(self.eagle_gain.values()) < self.eagle_prior else ()
         now = self.steps.get(batch, 0)
         return [k for k in kinds
                 if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)]
@@ -357,6 +364,7 @@ def plan_step(est: Estimates, cost: CostTable, contexts: list[list[Candidate]],
     ctx = [c for cs in contexts for c in cs]
     chosen, with_context = choose(ctx, batch, cost, est.fixed(CONTEXT_ONLY, batch))
     plain = batch / (est.fixed(PLAIN, batch) + cost.verify(batch))
+    # each sequence's draft rows (none where the tree has no draft level), priced beside its chain or without one
     guessed = [Candidate(min(1.0, est.eagle_gain[bool(cs)] / eagle_rows), b, EAGLE, i)
                for b, cs in enumerate(contexts) for i in range(eagle_rows)]
     _, with_draft = choose(ctx + guessed, batch, cost, est.fixed(DRAFT, batch))

@@ -584,7 +584,7 @@ void qlinear_avx512(const c10::BFloat16* x, const float* xsum, int64_t m, int64_
     int64_t t1 = std::min(b1, t0 + QTILE);
     int64_t chunks = (m + QROWS - 1) / QROWS;
     for (int64_t r0 = 0, rows; r0 < m; r0 += rows, --chunks) {
-      rows = (m - r0 + chunks - 1) / chunks;  // even chunks: 4 rows run as 2 + 2, not 3 + 1
+      rows = (m - r0 + chunks - 1) / chunks;  // even chunks: 9 rows run as 5 + 4, not 8 + 1
       const c10::BFloat16* xr = x + r0 * k;
       const float* sr = xsum + r0 * groups;
       float* yr = y + r0 * n;
