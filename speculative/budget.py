@@ -350,6 +350,12 @@ def _ema(table: dict, key, value: float) -> None:
     table[key] = value if old is None else old + EMA * (value - old)
 
 
+def chain_tokens(length: int, p: float) -> float:
+    """A chain's expected accepted tokens, each token accepted with `p` once its predecessor is (as
+    `context_candidates` prices them)."""
+    return sum(p ** (i + 1) for i in range(length))
+
+
 def context_candidates(seq: int, length: int, p: float) -> list[Candidate]:
     return [Candidate(p ** (i + 1), seq, CONTEXT, i) for i in range(length)]
 

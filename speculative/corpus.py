@@ -2,10 +2,12 @@
 occurred in what the target answered before, the tokens it went on with. A small model answers in set phrases
 (list openings, closing courtesies, markdown), so its distilled answers predict where its own context has no match.
 
-The index maps every KEY-token window of the corpus, packed exactly into one uint64, to the windows' end positions,
-sorted; a lookup finds the windows equal to the sequence's last KEY tokens, extends the match backward while any
-survive, then follows the surviving occurrences forward, one majority token at a time. Rank 0 alone looks up; the
-chain reaches the other ranks in the step plan, as a context chain does.
+The index maps every KEY-token window of the corpus, packed exactly into one uint64 (newest token in the highest
+bits, so the windows ending in any shorter suffix form one range), to the windows' end positions, sorted. A lookup
+finds the windows ending in the sequence's last KEY tokens and extends the match backward while any survive, or,
+where none occurs, those ending in its last 3, 2 or 1 tokens; then it follows the surviving occurrences forward, one
+majority token at a time. Rank 0 alone looks up; the chain reaches the other ranks in the step plan, as a context
+chain does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ MAX_MATCH = 16  # tokens of the sequence's end compared at most
 # a chain stops where fewer than this share of the surviving occurrences agree on the next token: on MT-bench, a
 # unanimous next token was the target's 53-89% of the time (more with more occurrences), one of a 50-80% majority 20-34%
 MIN_SHARE = 0.8
+# a match shorter than the key offers its first token on a simple majority: on the 80 MT-bench answers, where neither
+# the context nor a full-key match had a chain (2,514 of 16,866 positions), such a token was the target's 51% of the
+# time after 3 matched tokens, 39% after 2, 26% after 1 (against 37% for the EAGLE head's draft there); the budget
+# learns each length's acceptance apart (`leader.chain`)
+SHORT_SHARE = 0.5
+SHORT_SAMPLE = 1024  # a short match's occurrences voted on at most (a common token occurs 100,000 times)
 PAD = -1  # between answers and around the corpus: never equal to a token, so no match or chain crosses it
 # the default model's self-distilled answers, committed by training/distill.py (CPU) and its GPU runner; read as
 # files, so serving does not import the training package
@@ -63,10 +71,9 @@ class Corpus:
         ends = np.arange(self.key_len - 1 + MAX_MATCH, len(t) - 1)
         keys = np.zeros(len(ends), dtype=np.uint64)
         valid = np.ones(len(ends), dtype=bool)
-        for i in range(self.key_len):  # oldest token in the highest bits
-            col = self.tokens[ends - (self.key_len - 1 - i)]
-            valid &= col >= 0
-            keys = (keys << np.uint64(self.bits)) | t[ends - (self.key_len - 1 - i)]
+        for i in range(self.key_len):  # newest token in the highest bits
+            valid &= self.tokens[ends - i] >= 0
+            keys = (keys << np.uint64(self.bits)) | t[ends - i]
         valid &= self.tokens[ends + 1] >= 0  # a window must be followed by a token
         order = np.argsort(keys[valid], kind="stable")
         self.keys = keys[valid][order]
@@ -90,29 +97,38 @@ class Corpus:
     def num_tokens(self) -> int:
         return int((self.tokens >= 0).sum())
 
-    def _pack(self, window: list[int]) -> np.uint64:
+    def _range(self, suffix: list[int]) -> tuple[int, int]:
+        """The index range of the windows that end in `suffix` (at most key_len tokens)."""
         key = 0
-        for tok in window:
+        for tok in reversed(suffix):
             key = (key << self.bits) | tok
-        return np.uint64(key)
+        shift = self.bits * (self.key_len - len(suffix))
+        lo = np.searchsorted(self.keys, np.uint64(key << shift), "left")
+        return int(lo), int(np.searchsorted(self.keys, np.uint64(((key + 1) << shift) - 1), "right"))
 
-    def draft(self, tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """(continuation, support): up to `max_tokens` majority tokens after the occurrences of the longest suffix of
-        `tokens` (at least the key length) found in the corpus, and how many occurrences agree on its first token;
-        ([], 0) when there is none."""
+    def draft(self, tokens: list[int], max_tokens: int) -> tuple[list[int], int, int]:
+        """(continuation, support, match): up to `max_tokens` majority tokens after the occurrences of the longest
+        suffix of `tokens` found in the corpus, how many occurrences agree on its first token, and the suffix's length
+        (up to MAX_MATCH); ([], 0, 0) when there is none. A suffix shorter than the key offers its first token at a
+        simple majority (SHORT_SHARE) of up to SHORT_SAMPLE occurrences, every later token at MIN_SHARE."""
         k = self.key_len
-        if max_tokens < 1 or len(tokens) < k or max(tokens[-k:]) >= 1 << self.bits:
-            return [], 0
-        key = self._pack(tokens[-k:])
-        lo, hi = np.searchsorted(self.keys, key, "left"), np.searchsorted(self.keys, key, "right")
-        if lo == hi:
-            return [], 0
-        ends = self.ends[lo:hi]
-        for d in range(k, min(MAX_MATCH, len(tokens))):  # the longest suffix that still occurs
-            keep = ends[self.tokens[ends - d] == tokens[-1 - d]]
-            if keep.size == 0:
+        if max_tokens < 1 or not tokens or max(tokens[-k:]) >= 1 << self.bits:
+            return [], 0, 0
+        for m in range(min(k, len(tokens)), 0, -1):  # the longest suffix of at most the key's length that occurs
+            lo, hi = self._range(tokens[-m:])
+            if lo < hi:
                 break
-            ends = keep
+        else:
+            return [], 0, 0
+        ends = self.ends[lo:hi]
+        if m == k:
+            for d in range(k, min(MAX_MATCH, len(tokens))):  # the longest suffix that still occurs
+                keep = ends[self.tokens[ends - d] == tokens[-1 - d]]
+                if keep.size == 0:
+                    break
+                ends, m = keep, d + 1
+        elif len(ends) > SHORT_SAMPLE:  # evenly over the range: the windows sorted by their older tokens
+            ends = ends[np.linspace(0, len(ends) - 1, SHORT_SAMPLE).astype(np.int64)]
         chain: list[int] = []
         support = 0
         while len(chain) < max_tokens:
@@ -120,12 +136,13 @@ class Corpus:
             vals, counts = np.unique(nxt, return_counts=True)
             best = int(counts.argmax())
             tok = int(vals[best])
-            if tok < 0 or counts[best] < MIN_SHARE * len(nxt):
+            share = SHORT_SHARE if m < k and not chain else MIN_SHARE
+            if tok < 0 or counts[best] < share * len(nxt):
                 break
             chain.append(tok)
             ends = ends[nxt == tok] + 1
             support = support or len(ends)
-        return chain, support
+        return chain, support, m
 
 
 def corpus_folders(config: EngineConfig) -> list[Path]:
@@ -146,7 +163,7 @@ def load_corpus(config: EngineConfig) -> Corpus | None:
         if config.spec.corpus not in ("auto", "off"):
             raise ValueError(f"--speculative-corpus {config.spec.corpus}: no answers-*.jsonl.gz there")
         return None
-    digest = hashlib.sha256(f"corpus v1 {MAX_MATCH}".encode())
+    digest = hashlib.sha256(f"corpus v2 {MAX_MATCH}".encode())  # v2: newest token first
     for p in shards:
         digest.update(p.read_bytes())
     cached = eaglegate_home() / "corpus" / f"{digest.hexdigest()[:20]}.npz"

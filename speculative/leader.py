@@ -26,7 +26,8 @@ from .decisions import Commit, DecisionChannel, LeaderState, SpecDecisions
 from .tree import draft_only_accepted
 from .worker import SpecResult, SpecWorker
 
-# corpus chains share an acceptance estimate by how many occurrences back their first token (1, 2-4, 5-19, 20+)
+# corpus chains share an acceptance estimate by how many occurrences back their first token (1, 2-4, 5-19, 20+), or,
+# where fewer tokens than the index's key matched, by the match's length (keyed as minus it)
 SUPPORT_BUCKETS = (1, 2, 5, 20)
 
 
@@ -52,14 +53,17 @@ class SpecLeader(Leader):
 
     def chain(self, tokens: list[int]) -> tuple[list[int], tuple[int, int]]:
         """A sequence's free candidates, and their key for the estimates: the context's prompt-lookup chain, or the
-        corpus's where its first token is the likelier by the running per-key acceptance."""
+        corpus's where it promises more accepted tokens by the running per-key acceptance (a long context chain
+        beats a corpus token that is likelier alone)."""
         spec, est = self.config.spec, self.estimates
         ids, n = context_draft(tokens, spec.context_ngram, spec.context_tokens)
         best = ids, (budget.CONTEXT, n)
         if self.corpus is not None:
-            more, support = self.corpus.draft(tokens[-MAX_MATCH:], spec.context_tokens)
-            key = (budget.CORPUS, max(b for b in SUPPORT_BUCKETS if b <= max(support, 1)))
-            if more and (not ids or est.context_p(key) > est.context_p(best[1])):
+            more, support, match = self.corpus.draft(tokens[-MAX_MATCH:], spec.context_tokens)
+            short = match < self.corpus.key_len
+            key = (budget.CORPUS, -match if short else max(b for b in SUPPORT_BUCKETS if b <= max(support, 1)))
+            if more and (not ids or budget.chain_tokens(len(more), est.context_p(key))
+                         > budget.chain_tokens(len(ids), est.context_p(best[1]))):
                 best = more, key
         return best
 

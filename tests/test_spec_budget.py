@@ -48,11 +48,45 @@ def test_corpus_draft_follows_the_longest_match_while_its_occurrences_agree():
     c = Corpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
                 [6, 2, 3, 4, 5, 6, 11]])
     assert c.key_len == 4
-    assert c.draft([1, 2, 3, 4, 5], 4) == ([6], 1)  # the longest suffix occurs once; its answer ends after 6
-    assert c.draft([0, 2, 3, 4, 5], 4) == ([6], 4)  # 4 of 5 occurrences go on with 6, then they part (10, 11, 11)
-    assert c.draft([0, 7, 2, 3, 4, 5, 6], 4) == ([11], 1)
-    assert c.draft([9, 2, 3, 4, 5], 4) == ([7], 1)
-    assert c.draft([2, 3, 4, 4], 4) == ([], 0) and c.draft([4, 5], 4) == ([], 0)
+    assert c.draft([1, 2, 3, 4, 5], 4) == ([6], 1, 5)  # the longest suffix occurs once; its answer ends after 6
+    assert c.draft([0, 2, 3, 4, 5], 4) == ([6], 4, 4)  # 4 of 5 occurrences go on with 6, then they part (10, 11, 11)
+    assert c.draft([0, 7, 2, 3, 4, 5, 6], 4) == ([11], 1, 6)
+    assert c.draft([9, 2, 3, 4, 5], 4) == ([7], 1, 5)
+    assert c.draft([2, 3, 4, 9], 4) == ([], 0, 0)  # no suffix occurs with a token after it
+
+
+def test_a_corpus_match_shorter_than_the_key_offers_a_majority_token():
+    c = Corpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
+                [6, 2, 3, 4, 5, 6, 11]])
+    # "4 5" occurs five times, followed by 6 four times (a majority), then the occurrences part (end, 10, 11, 11)
+    assert c.draft([4, 5], 4) == ([6], 4, 2)
+    assert c.draft([0, 0, 4, 5], 4) == ([6], 4, 2)  # the whole key does not occur: the longest suffix that does
+    assert c.draft([0, 5, 6], 4) == ([11], 2, 2)  # "5 6" goes on with 10, 11, 11 (and an answer's end): half is enough
+    # "4" is always followed by 5, then "4 5" by 6 at MIN_SHARE: the chain goes on as a whole-key match's does
+    assert c.draft([2, 3, 4, 4], 4) == ([5, 6], 5, 1)
+    assert c.draft([0, 5, 7], 4) == ([], 0, 0)  # "7" goes on only where it opens an answer: not a whole window
+
+
+def test_a_chain_is_chosen_by_the_tokens_it_promises():
+    """The context's long chain against the corpus's two tokens after a one-token match: the likelier first token
+    does not decide, the expected accepted tokens (p + p^2 + ...) do."""
+    from types import SimpleNamespace
+
+    from speculative.leader import SpecLeader
+
+    spec = default_spec_config()
+    tokens = [10, *range(11, 11 + spec.context_tokens), 10]  # 10 was followed by a whole chain before
+    leader = SimpleNamespace(config=EngineConfig(spec=spec), estimates=Estimates(eagle_prior=1.0),
+                             corpus=Corpus([[5, 6, 7, 10, 99, 98]]))
+    ctx, n = context_draft(tokens, spec.context_ngram, spec.context_tokens)
+    assert len(ctx) == spec.context_tokens >= 4 and n == 1
+    assert leader.corpus.draft(tokens, spec.context_tokens) == ([99, 98], 1, 1)
+    est = leader.estimates
+    est.context_hits[(budget.CORPUS, -1)], est.context_trials[(budget.CORPUS, -1)] = 5.0, 8.0  # p 0.6
+    # the context's p is 0.5: 0.5 + 0.25 + ... beats 0.6 + 0.36, though 0.6 > 0.5 for the first token
+    assert SpecLeader.chain(leader, tokens) == (ctx, (budget.CONTEXT, 1))
+    est.context_hits[(budget.CONTEXT, 1)], est.context_trials[(budget.CONTEXT, 1)] = 2.0, 8.0  # p 0.3: 0.43 in all
+    assert SpecLeader.chain(leader, tokens) == ([99, 98], (budget.CORPUS, -1))
 
 
 def test_the_default_corpus_is_the_committed_distilled_answers():
@@ -432,7 +466,7 @@ def test_corpus_drafts_an_answer_the_target_gave_before(smol_engine, tmp_path):
     spec = dataclasses.replace(default_spec_config(), cost_table=_table(tmp_path, FLAT), corpus=str(folder))
     config = EngineConfig(dtype="float32", max_total_tokens=4096, spec=spec)
     built, cached = load_corpus(config), load_corpus(config)
-    assert cached.draft(ref[:8], 4) == built.draft(ref[:8], 4) == (ref[8:12], 1)
+    assert cached.draft(ref[:8], 4) == built.draft(ref[:8], 4) == (ref[8:12], 1, 8)
     with Engine(config) as eng:
         out = eng.generate([prompt], _greedy(48))[0].token_ids
         s = eng.stats.values
