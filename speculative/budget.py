@@ -251,8 +251,8 @@ class Estimates:
     """Rank 0's running figures: each kind of step's seconds besides its verify forward (by batch size), the
     EAGLE drafting seconds, EAGLE tokens accepted per drafted sequence (by whether a chain was offered beside the
     draft), what the draft's confidence is worth by depth
-    (`Calibration`), and the per-token acceptance of chain candidates by key, (CONTEXT or CORPUS, match length)
-    (successes / trials, from a uniform prior)."""
+    (`Calibration`), and the per-token acceptance of chain candidates by key: (CONTEXT, match length), or (CORPUS,
+    support bucket or minus a shorter match's length) (`SpecLeader.chain`; successes / trials, from a uniform prior)."""
 
     eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
     calibration: Calibration = field(default_factory=lambda: Calibration(1))

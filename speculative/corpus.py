@@ -31,10 +31,10 @@ MAX_MATCH = 16  # tokens of the sequence's end compared at most
 # a chain stops where fewer than this share of the surviving occurrences agree on the next token: on MT-bench, a
 # unanimous next token was the target's 53-89% of the time (more with more occurrences), one of a 50-80% majority 20-34%
 MIN_SHARE = 0.8
-# a match shorter than the key offers its first token on a simple majority: on the 80 MT-bench answers, where neither
-# the context nor a full-key match had a chain (2,514 of 16,866 positions), such a token was the target's 51% of the
-# time after 3 matched tokens, 39% after 2, 26% after 1 (against 37% for the EAGLE head's draft there); the budget
-# learns each length's acceptance apart (`leader.chain`)
+# a match shorter than the key offers its first token where at least half its occurrences agree: on the 80 MT-bench
+# answers, where neither the context nor a full-key match had a chain (2,514 of 16,866 positions), such a token was the
+# target's 51% of the time after 3 matched tokens, 39% after 2, 26% after 1 (against 37% for the EAGLE head's draft
+# there); the budget learns each length's acceptance apart (`leader.chain`)
 SHORT_SHARE = 0.5
 SHORT_SAMPLE = 1024  # a short match's occurrences voted on at most (a common token occurs 100,000 times)
 PAD = -1  # between answers and around the corpus: never equal to a token, so no match or chain crosses it
@@ -109,12 +109,15 @@ class Corpus:
     def draft(self, tokens: list[int], max_tokens: int) -> tuple[list[int], int, int]:
         """(continuation, support, match): up to `max_tokens` majority tokens after the occurrences of the longest
         suffix of `tokens` found in the corpus, how many occurrences agree on its first token, and the suffix's length
-        (up to MAX_MATCH); ([], 0, 0) when there is none. A suffix shorter than the key offers its first token at a
-        simple majority (SHORT_SHARE) of up to SHORT_SAMPLE occurrences, every later token at MIN_SHARE."""
+        (up to MAX_MATCH); ([], 0, 0) when there is none. A suffix shorter than the key offers its first token where
+        at least SHORT_SHARE of up to SHORT_SAMPLE occurrences agree, every later token at MIN_SHARE."""
         k = self.key_len
-        if max_tokens < 1 or not tokens or max(tokens[-k:]) >= 1 << self.bits:
+        indexed = 0  # the suffix's tokens the index can hold (a larger vocabulary than the corpus's ids)
+        while indexed < min(k, len(tokens)) and tokens[-1 - indexed] < 1 << self.bits:
+            indexed += 1
+        if max_tokens < 1:
             return [], 0, 0
-        for m in range(min(k, len(tokens)), 0, -1):  # the longest suffix of at most the key's length that occurs
+        for m in range(indexed, 0, -1):  # the longest suffix of at most the key's length that occurs
             lo, hi = self._range(tokens[-m:])
             if lo < hi:
                 break

@@ -93,7 +93,7 @@ class LeaderState:
     head: object  # maps draft-vocabulary ids to target ids (FR-Spec subset, EAGLE-3 d2t)
     cost: CostTable | None  # None: the fixed tree every step
     estimates: Estimates
-    chain_keys: list[tuple[int, int]]  # (CONTEXT or CORPUS, match length) behind each sequence's chain
+    chain_keys: list[tuple[int, int]]  # each sequence's chain's estimate key (`SpecLeader.chain`)
 
 
 class SpecDecisions:

@@ -61,7 +61,8 @@ def test_a_corpus_match_shorter_than_the_key_offers_a_majority_token():
     # "4 5" occurs five times, followed by 6 four times (a majority), then the occurrences part (end, 10, 11, 11)
     assert c.draft([4, 5], 4) == ([6], 4, 2)
     assert c.draft([0, 0, 4, 5], 4) == ([6], 4, 2)  # the whole key does not occur: the longest suffix that does
-    assert c.draft([0, 5, 6], 4) == ([11], 2, 2)  # "5 6" goes on with 10, 11, 11 (and an answer's end): half is enough
+    assert c.draft([1 << 20, 4, 5], 4) == ([6], 4, 2)  # a token past the index's bits ends the suffix
+    assert c.draft([0, 5, 6], 4) == ([11], 2, 2)  # "5 6" goes on with 10, 11, 11 (where it ends an answer, no window)
     # "4" is always followed by 5, then "4 5" by 6 at MIN_SHARE: the chain goes on as a whole-key match's does
     assert c.draft([2, 3, 4, 4], 4) == ([5, 6], 5, 1)
     assert c.draft([0, 5, 7], 4) == ([], 0, 0)  # "7" goes on only where it opens an answer: not a whole window
@@ -79,7 +80,7 @@ def test_a_chain_is_chosen_by_the_tokens_it_promises():
     leader = SimpleNamespace(config=EngineConfig(spec=spec), estimates=Estimates(eagle_prior=1.0),
                              corpus=Corpus([[5, 6, 7, 10, 99, 98]]))
     ctx, n = context_draft(tokens, spec.context_ngram, spec.context_tokens)
-    assert len(ctx) == spec.context_tokens >= 4 and n == 1
+    assert len(ctx) == spec.context_tokens >= 5 and n == 1  # 5 tokens at 0.5 promise 0.97 > 0.6 + 0.36
     assert leader.corpus.draft(tokens, spec.context_tokens) == ([99, 98], 1, 1)
     est = leader.estimates
     est.context_hits[(budget.CORPUS, -1)], est.context_trials[(budget.CORPUS, -1)] = 5.0, 8.0  # p 0.6
