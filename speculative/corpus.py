@@ -112,11 +112,11 @@ class Corpus:
         (up to MAX_MATCH); ([], 0, 0) when there is none. A suffix shorter than the key offers its first token where
         at least SHORT_SHARE of up to SHORT_SAMPLE occurrences agree, every later token at MIN_SHARE."""
         k = self.key_len
+        if max_tokens < 1:
+            return [], 0, 0
         indexed = 0  # the suffix's tokens the index can hold (a larger vocabulary than the corpus's ids)
         while indexed < min(k, len(tokens)) and tokens[-1 - indexed] < 1 << self.bits:
             indexed += 1
-        if max_tokens < 1:
-            return [], 0, 0
         for m in range(indexed, 0, -1):  # the longest suffix of at most the key's length that occurs
             lo, hi = self._range(tokens[-m:])
             if lo < hi:

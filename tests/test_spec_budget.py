@@ -44,9 +44,13 @@ def test_context_draft_follows_the_latest_full_match():
     assert context_draft([3, 4, 5], 3, 4) == ([], 0)
 
 
+# five answers sharing "2 3 4 5", then 6 in four of them
+ANSWERS = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
+           [6, 2, 3, 4, 5, 6, 11]]
+
+
 def test_corpus_draft_follows_the_longest_match_while_its_occurrences_agree():
-    c = Corpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
-                [6, 2, 3, 4, 5, 6, 11]])
+    c = Corpus(ANSWERS)
     assert c.key_len == 4
     assert c.draft([1, 2, 3, 4, 5], 4) == ([6], 1, 5)  # the longest suffix occurs once; its answer ends after 6
     assert c.draft([0, 2, 3, 4, 5], 4) == ([6], 4, 4)  # 4 of 5 occurrences go on with 6, then they part (10, 11, 11)
@@ -56,8 +60,7 @@ def test_corpus_draft_follows_the_longest_match_while_its_occurrences_agree():
 
 
 def test_a_corpus_match_shorter_than_the_key_offers_a_majority_token():
-    c = Corpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
-                [6, 2, 3, 4, 5, 6, 11]])
+    c = Corpus(ANSWERS)
     # "4 5" occurs five times, followed by 6 four times (a majority), then the occurrences part (end, 10, 11, 11)
     assert c.draft([4, 5], 4) == ([6], 4, 2)
     assert c.draft([0, 0, 4, 5], 4) == ([6], 4, 2)  # the whole key does not occur: the longest suffix that does
