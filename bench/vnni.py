@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from kernels import HIDDEN, INTER, LAYERS, SHAPES  # one SmolLM2-135M step's linears, as bench/kernels.py times them
 from provenance import provenance
 from torch.utils.cpp_extension import load
 
@@ -39,8 +40,6 @@ from worker.tokenizer import load_tokenizer
 
 HERE = Path(__file__).parent
 OUT = HERE / "results"
-HIDDEN, INTER, LAYERS = 576, 1536, 30
-SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # qkv, o, gate_up, down
 PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
 
 
