@@ -138,6 +138,50 @@ def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_chan
     assert torch.equal(head.fc_w, saved["fc.weight"].float())
 
 
+def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine):
+    """--draft-intermediate: a head warm-started from a narrower one computes what it did (its new MLP units start
+    with zero outputs), exports its width, and the engine serves it losslessly."""
+    from safetensors.torch import load_file
+
+    from speculative.defaults import DEFAULT_HEAD
+    from speculative.heads import read_draft
+    from training.train import export_head, warm_start
+    from training.train_model import TrainableEagle3
+    from worker.dist import single_rank_group
+    from worker.loader import load_target
+    from worker.model_files import resolve_model
+
+    config = EngineConfig()
+    target, cfg = load_target(config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")),
+                              torch.float32)
+    saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
+    vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
+    narrow, wide = TrainableEagle3(target, vocab), TrainableEagle3(target, vocab, intermediate=2048)
+    for head in (narrow, wide):
+        warm_start(head, str(DEFAULT_HEAD))
+    assert wide.gate_up.shape == (4096, 576) and wide.down.shape == (576, 2048)
+    assert wide.down[:, 1536:].abs().sum() == 0 and wide.gate_up[1536:2048].abs().sum() > 0  # new units: inputs only
+    torch.manual_seed(0)
+    ids, feats = torch.randint(0, 49152, (2, 40)), torch.randn(2, 40, 3 * 576)
+    with torch.no_grad():
+        for a, b in zip(narrow(ids, feats, 3, 0.0), wide(ids, feats, 3, 0.0)):
+            assert torch.allclose(narrow.logits(a), wide.logits(b), atol=1e-4)
+    with torch.no_grad():
+        wide.down[:, 1536:] = torch.randn(576, 512) * 0.02  # as if trained: the new units now count
+    export_head(wide, cfg, vocab, tmp_path, {"steps": 0})
+    draft_cfg, _ = read_draft(tmp_path, cfg)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == 2048
+    assert draft_cfg.layer.intermediate_size == 2048
+    with pytest.raises(ValueError, match="2048 units, more than this head's 1536"):
+        warm_start(TrainableEagle3(target, vocab), str(tmp_path))
+    prompt = smol_engine.encode("The quick brown fox")
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    ref = smol_engine.generate([prompt], params)[0].token_ids
+    spec = SpecConfig("EAGLE", str(tmp_path), num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    with Engine(EngineConfig(dtype="float32", max_total_tokens=2048, spec=spec)) as eng:
+        assert eng.generate([prompt], params)[0].token_ids == ref
+
+
 def test_unpacked_int4_linears_compute_what_the_kernel_computes():
     """Recording features at dense speed keeps the served int4 weights: the unpacked dense weight, multiplied by
     oneDNN, matches the int4 kernel on the same input to bfloat16 rounding."""

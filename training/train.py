@@ -60,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "cross-entropy, truncated to K and renormalised over the draft vocabulary) instead of its "
                         "greedy token alone (0: hard labels)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="FR-Spec draft vocabulary size (0: full)")
+    p.add_argument("--draft-intermediate", type=int, default=0,
+                   help="EAGLE-3 only: MLP units of the head's layer (0: the target's). Warm-starting from a "
+                        "narrower head keeps its units and adds new ones whose outputs start at zero")
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--holdout", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -90,6 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.draft_intermediate and args.kind != "eagle3":
+        p.error("--draft-intermediate needs --kind eagle3 (an EAGLE-1/2 head starts as the target's last layer)")
     return args
 
 
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab_index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     vocab_index[draft_vocab] = torch.arange(k)
     coverage = counts[draft_vocab].sum().item() / max(counts.sum().item(), 1)
-    model = TRAINABLE[args.kind](target, draft_vocab)
+    wide = {"intermediate": args.draft_intermediate} if args.draft_intermediate else {}
+    model = TRAINABLE[args.kind](target, draft_vocab, **wide)
     if args.init_from:
         warm_start(model, args.init_from)
     model.to(args.device)
@@ -311,7 +317,7 @@ def export_head(model, cfg, draft_vocab, out: Path, facts: dict) -> None:
     state = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in model.export().items()}
     config = {"architectures": ["LlamaForCausalLM"], "eagle_kind": model.kind, "hidden_size": cfg.hidden_size,
               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
+              "intermediate_size": model.down.shape[1], "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
               "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size, "draft_vocab_size": len(draft_vocab)}
     if model.kind == "eagle":
         state["draft_vocab"] = draft_vocab.to(torch.int64)
@@ -329,12 +335,14 @@ def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
     layout = ("EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
               "target's LM head), restricted at draft time to" if model.kind == "eagle" else
               f"EAGLE-3 layout (fc fusing target layers {list(default_aux_layers(cfg.num_layers))}, a 2h-input "
-              "decoder layer, its own LM head with d2t) over")
+              f"decoder layer of {model.down.shape[1]} MLP units, its own LM head with d2t) over")
     cmd = (f"eaglegate train-draft --kind {args.kind} --out {out.name} --prompts {args.prompts} "
            f"--num-prompts {args.num_prompts} --conversations {args.conversations} "
            f"--max-new-tokens {args.max_new_tokens} --max-len {args.max_len} --epochs {args.epochs} "
            f"--batch-size {args.batch_size} --lr {args.lr} --ce-weight {args.ce_weight} --unroll {args.unroll} "
            f"--draft-vocab {args.draft_vocab} --seed {args.seed}")
+    if args.draft_intermediate:
+        cmd += f" --draft-intermediate {args.draft_intermediate}"
     if args.max_steps:
         cmd += f" --max-steps {args.max_steps} --checkpoint-every {args.checkpoint_every}"
     if args.init_from:

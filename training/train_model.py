@@ -23,6 +23,11 @@ def _normal(*shape: int) -> Param:
     return Param(torch.randn(*shape) * 0.02)
 
 
+def _widen(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of `rows`, continued with small random rows where it has fewer."""
+    return torch.cat([rows[:n], torch.randn(max(n - len(rows), 0), rows.shape[1]) * 0.02])
+
+
 class _TTTLayer(nn.Module):
     """A Llama decoder layer's attention + MLP, unrolled with TTT masks. Subclasses say what enters it."""
 
@@ -94,12 +99,22 @@ class _TTTLayer(nn.Module):
         return out | {key: getattr(self, name).detach() for name, key in self._layer_names(p)}
 
     def _load(self, state: dict[str, torch.Tensor], p: str, extra: list[tuple[str, str]]) -> None:
-        """Warm start from a saved head of this layout."""
+        """Warm start from a saved head of this layout. A saved MLP narrower than this head's fills its first
+        units; the new units keep their random inputs and start with zero outputs, so the head starts as the saved
+        one and grows from there."""
+        down = state[p + "mlp.down_proj.weight"]
+        inter, saved = self.down.shape[1], down.shape[1]
+        if saved > inter:
+            raise ValueError(f"the saved head's MLP has {saved} units, more than this head's {inter}")
         with torch.no_grad():
             for name, key in self._layer_names(p) + extra:
-                getattr(self, name).copy_(state[key])
+                if name != "down":
+                    getattr(self, name).copy_(state[key])
+            self.down.zero_()
+            self.down[:, :saved] = down
             self.qkv.copy_(torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
-            self.gate_up.copy_(torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+            for i, name in enumerate(("gate", "up")):
+                self.gate_up[i * inter : i * inter + saved] = state[p + f"mlp.{name}_proj.weight"]
 
 
 class TrainableEagle(_TTTLayer):
@@ -148,7 +163,7 @@ class TrainableEagle3(_TTTLayer):
     kind = "eagle3"
     feature_weight = 0.0
 
-    def __init__(self, target, draft_vocab: torch.Tensor):
+    def __init__(self, target, draft_vocab: torch.Tensor, intermediate: int = 0):
         super().__init__()
         self._setup(target)
         h, src = self.h, target.layers[-1]
@@ -158,8 +173,10 @@ class TrainableEagle3(_TTTLayer):
         self.hid_norm = Param(torch.ones(h))
         self.qkv = _normal(q_size + 2 * kv_size, 2 * h)
         self.o = _normal(h, q_size)
-        self.gate_up = _f32(src.mlp.gate_up_proj.weight)
-        self.down = _normal(h, src.mlp.down_proj.weight.shape[1])
+        gate, up = src.mlp.gate_up_proj.weight.detach().float().chunk(2)
+        inter = intermediate or gate.shape[0]  # a wider MLP than the target's: more capacity, same attention
+        self.gate_up = Param(torch.cat([_widen(gate, inter), _widen(up, inter)]))
+        self.down = _normal(h, inter)
         self.post_norm = _f32(src.post_attention_layernorm.weight)
         self.norm = _f32(target.norm.weight)
         self.lm_head = _f32(target.lm_head.weight[draft_vocab])
