@@ -81,10 +81,15 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
         record.write_text(json.dumps(json.loads(record.read_text()) | {"complete": False}))
         r4 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
         assert r4.returncode != 0 and "soft_topk: recorded 4, asked 0" in r4.stderr, r4.stderr[-2000:]
+    assert_serves_losslessly(smol_engine, out)
+
+
+def assert_serves_losslessly(smol_engine, head) -> None:
+    """The engine serves `head` (float32) and its greedy output is plain greedy's."""
     prompt = smol_engine.encode("The quick brown fox")
     params = SamplingParams(max_new_tokens=16, temperature=0)
     ref = smol_engine.generate([prompt], params)[0].token_ids
-    spec = SpecConfig("EAGLE", str(out), num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    spec = SpecConfig("EAGLE", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=6)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=2048, spec=spec)) as eng:
         assert eng.generate([prompt], params)[0].token_ids == ref
 
@@ -174,12 +179,7 @@ def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine):
     assert draft_cfg.layer.intermediate_size == 2048
     with pytest.raises(ValueError, match="2048 units, more than this head's 1536"):
         warm_start(TrainableEagle3(target, vocab), str(tmp_path))
-    prompt = smol_engine.encode("The quick brown fox")
-    params = SamplingParams(max_new_tokens=16, temperature=0)
-    ref = smol_engine.generate([prompt], params)[0].token_ids
-    spec = SpecConfig("EAGLE", str(tmp_path), num_steps=3, eagle_topk=2, num_draft_tokens=6)
-    with Engine(EngineConfig(dtype="float32", max_total_tokens=2048, spec=spec)) as eng:
-        assert eng.generate([prompt], params)[0].token_ids == ref
+    assert_serves_losslessly(smol_engine, tmp_path)
 
 
 def test_unpacked_int4_linears_compute_what_the_kernel_computes():
