@@ -282,7 +282,8 @@ class Engine:
                 continue
             if not isinstance(msg, StepReport):
                 continue
-            self.stats.snapshot = msg.stats
+            if msg.stats is not None:
+                self.stats.snapshot = msg.stats
             self.stats.last_progress = time.monotonic()
             for out in msg.outputs:
                 with self._lock:

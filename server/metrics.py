@@ -144,16 +144,17 @@ class Metrics:
     def on_step(self, report) -> None:
         """Called from the engine's receiver thread for every StepReport."""
         s = report.stats
-        self.labels(self.running).set(s.running)
-        self.labels(self.waiting).set(s.waiting)
-        self.labels(self.kv_usage).set(s.kv_used_tokens / (s.kv_total_tokens or 1))
-        self._count("steps", self.steps, s.steps)
-        pc = s.prefix_cache
-        if pc is not None:
-            self._count("cache_queried", self.cache_queried, pc.prompt_tokens)
-            self._count("cache_hits", self.cache_hits, pc.hit_tokens)
-            self._count("cache_evicted", self.cache_evicted, pc.evicted_tokens)
-            self.labels(self.cache_size).set(pc.cached_tokens)
+        if s is not None:  # rank 0 sends a snapshot every 50 ms and with every finished request
+            self.labels(self.running).set(s.running)
+            self.labels(self.waiting).set(s.waiting)
+            self.labels(self.kv_usage).set(s.kv_used_tokens / (s.kv_total_tokens or 1))
+            self._count("steps", self.steps, s.steps)
+            pc = s.prefix_cache
+            if pc is not None:
+                self._count("cache_queried", self.cache_queried, pc.prompt_tokens)
+                self._count("cache_hits", self.cache_hits, pc.hit_tokens)
+                self._count("cache_evicted", self.cache_evicted, pc.evicted_tokens)
+                self.labels(self.cache_size).set(pc.cached_tokens)
         m = report.step_metrics
         for kind, seconds in m.sync_seconds.items():
             sync = self.labels(self.decision_sync, kind=kind)

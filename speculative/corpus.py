@@ -136,16 +136,27 @@ class Corpus:
         support = 0
         while len(chain) < max_tokens:
             nxt = self.tokens[ends + 1]
-            vals, counts = np.unique(nxt, return_counts=True)
-            best = int(counts.argmax())
-            tok = int(vals[best])
+            tok, count = _majority(nxt)
             share = SHORT_SHARE if m < k and not chain else MIN_SHARE
-            if tok < 0 or counts[best] < share * len(nxt):
+            if tok < 0 or count < share * len(nxt):
                 break
             chain.append(tok)
             ends = ends[nxt == tok] + 1
             support = support or len(ends)
         return chain, support, m
+
+
+def _majority(tokens: np.ndarray) -> tuple[int, int]:
+    """The most frequent token (the smallest of those tied) and its count. Most lookups vote among a few occurrences,
+    where counting in Python beats np.unique's sort (about 20 us a call, several calls a step)."""
+    if len(tokens) > 64:
+        vals, counts = np.unique(tokens, return_counts=True)
+        best = int(counts.argmax())
+        return int(vals[best]), int(counts[best])
+    counts: dict[int, int] = {}
+    for t in tokens.tolist():
+        counts[t] = counts.get(t, 0) + 1
+    return min(counts.items(), key=lambda tc: (-tc[1], tc[0]))
 
 
 def corpus_folders(config: EngineConfig) -> list[Path]:

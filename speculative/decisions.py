@@ -232,7 +232,10 @@ class SpecDecisions:
             def processed(node: int, path_tokens: list[int], rows=rows, seq=seq) -> torch.Tensor:
                 return prepare_logits(seq, rows[node], path_tokens)
 
-            if p.greedy:
+            if p.greedy and not p.adjusts_logits and seq.grammar is None:  # every node's choice in one call
+                best = rows.argmax(dim=-1).tolist()
+                path, bonus = verify_greedy(vt, lambda node, _toks, best=best: best[node])
+            elif p.greedy:
                 path, bonus = verify_greedy(vt, lambda node, toks, f=processed: int(torch.argmax(f(node, toks))))
             else:
                 path, bonus = verify_sampling(vt, lambda node, toks, f=processed, p=p: filter_probs(f(node, toks), p),

@@ -110,3 +110,23 @@ def test_prompt_beyond_context_fails_cleanly(smol_dir):
         with pytest.raises(RequestFailedError, match="context limit"):
             eng.generate([[5] * 200], SamplingParams(max_new_tokens=2))
         assert eng.generate([[5] * 10], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+
+
+
+def test_stats_snapshots_are_rate_limited_and_fresh_when_a_request_ends(smol_dir):
+    """Rank 0 sends its stats snapshot with a step's report at most every SNAPSHOT_INTERVAL_S (a snapshot every step
+    cost 2.5% of decode speed), but always with a finished request, so stats read after generate() are current."""
+    from worker.leader import SNAPSHOT_INTERVAL_S
+
+    reports = []
+    # bfloat16: steps of a few ms (float32's eager steps take longer than the interval, so each would carry one)
+    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=4096), on_step=reports.append) as eng:
+        out = eng.generate([eng.encode("Count from one to fifty in words.")],
+                           SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))[0]
+        final = eng.stats.snapshot
+    assert len(out.token_ids) == 40
+    finished = [r for r in reports if any(o.finish_reason for o in r.outputs)]
+    assert len(finished) == 1 and finished[0].stats is final and final.running == 0
+    snaps = [r.stats for r in reports if r.stats is not None and r is not finished[0]]
+    assert len(snaps) < sum(1 for r in reports if r.outputs) - 1  # steps inside the interval carry none
+    assert all(b.time - a.time >= 0.9 * SNAPSHOT_INTERVAL_S for a, b in zip(snaps, snaps[1:]))

@@ -107,9 +107,10 @@ def test_bfloat16_models_cache_bfloat16_where_the_fused_kernels_attend():
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows):
-    """cpu_kernels.decoder_layer runs a whole quantized layer in one call: the hidden states and the KV it writes
-    must be exactly those of the layer's ops called one by one from Python."""
+def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows, monkeypatch):
+    """cpu_kernels.decoder_layer runs a whole quantized layer in one call, and decoder_stack every layer in one call:
+    the hidden states, EAGLE-3's features and the KV they write must be exactly those of the layer's ops called one by
+    one from Python."""
     import worker.model as model
     from worker.attention import SeqSlice
     from worker.config import EngineConfig
@@ -119,22 +120,31 @@ def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows):
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=1024), resolve_model(str(smol_dir)),
                          TPGroup(0, 1, torch.device("cpu")))
+    runner.model.aux_layers = {2, 15, 27}
     ctx, table = 40, list(range(8))
+    stack = model.fused_stack
     with torch.inference_mode():
         runner.run_model(list(range(100, 100 + ctx)), list(range(ctx)), [SeqSlice(0, ctx, table)])
         assert model.fused_weights(runner.model.layers[0], K, torch.bfloat16) is not None
         before = [(k.clone(), v.clone()) for k, v in runner.kv]
         out = {}
-        for fused in (True, False):
-            model.FUSED_LAYERS = fused
+        calls = []
+        monkeypatch.setattr(K, "decoder_stack", lambda *a, f=K.decoder_stack: calls.append(1) or f(*a), raising=False)
+        for way in ("stack", "layer by layer", "unfused"):
+            model.FUSED_LAYERS = way != "unfused"
+            monkeypatch.setattr(model, "fused_stack", stack if way == "stack" else lambda *a: None)
             try:
                 for (k, v), (k0, v0) in zip(runner.kv, before):
                     k.copy_(k0)
                     v.copy_(v0)
-                hidden, _, _ = runner.run_model([7 + r for r in range(rows)], list(range(ctx, ctx + rows)),
-                                                [SeqSlice(ctx, rows, table)])
-                out[fused] = (hidden, [(k.clone(), v.clone()) for k, v in runner.kv])
+                hidden, aux, _ = runner.run_model([7 + r for r in range(rows)], list(range(ctx, ctx + rows)),
+                                                  [SeqSlice(ctx, rows, table)])
+                out[way] = (hidden, aux, [(k.clone(), v.clone()) for k, v in runner.kv])
             finally:
                 model.FUSED_LAYERS = True
-    assert torch.equal(out[True][0], out[False][0])
-    assert all(torch.equal(a, b) for pa, pb in zip(out[True][1], out[False][1]) for a, b in zip(pa, pb))
+    assert len(calls) == 1  # the stack ran once, as one call
+    for way in ("stack", "layer by layer"):
+        hidden, aux, kv = out[way]
+        assert torch.equal(hidden, out["unfused"][0])
+        assert len(aux) == 3 and all(torch.equal(a, b) for a, b in zip(aux, out["unfused"][1]))
+        assert all(torch.equal(a, b) for pa, pb in zip(kv, out["unfused"][2]) for a, b in zip(pa, pb))

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #ifdef __AVX512F__
@@ -813,6 +814,24 @@ torch::Tensor decoder_layer(const LayerWeights& w, torch::Tensor x, torch::Tenso
                           row_slots, row_counts);
 }
 
+// Every layer of a decode or verify step in one call: the same decoder_layer calls in the same order, so the bits are
+// the per-layer loop's; only the Python dispatch between layers (about 13 us a layer) is gone. Returns the last
+// layer's output and the residual stream after each layer in `aux_layers` (EAGLE-3's features), in layer order.
+std::vector<torch::Tensor> decoder_stack(const std::vector<LayerWeights>& layers, torch::Tensor x, torch::Tensor cos,
+                                         torch::Tensor sin, const std::vector<torch::Tensor>& k_caches,
+                                         const std::vector<torch::Tensor>& v_caches, torch::Tensor slot_mapping,
+                                         torch::Tensor row_slots, torch::Tensor row_counts,
+                                         const std::vector<int64_t>& aux_layers) {
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(), "one K and V cache per layer");
+  std::vector<torch::Tensor> out{x};
+  for (size_t i = 0; i < layers.size(); ++i) {
+    out[0] = decoder_layer(layers[i], out[0], cos, sin, k_caches[i], v_caches[i], slot_mapping, row_slots, row_counts);
+    if (std::find(aux_layers.begin(), aux_layers.end(), static_cast<int64_t>(i)) != aux_layers.end())
+      out.push_back(out[0]);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<QWeight>(m, "QWeight")
       .def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, int64_t>());
@@ -820,6 +839,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, QWeight, QWeight, QWeight, QWeight, int64_t, int64_t,
                           int64_t, double>());
   m.def("decoder_layer", &decoder_layer);
+  m.def("decoder_stack", &decoder_stack);
   m.def("layer_after_norm", &layer_after_norm);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);

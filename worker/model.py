@@ -81,6 +81,16 @@ def fused_layer(layer: nn.Module, x: torch.Tensor, meta: AttentionMetadata):
     return None if weights is None else (kernels, weights)
 
 
+def fused_stack(model: nn.Module, x: torch.Tensor, meta: AttentionMetadata):
+    """(cpu_kernels, every layer's weights) where the whole stack runs as one call this step (each layer would run
+    as one fused call: `fused_layer`), else None."""
+    first = fused_layer(model.layers[0], x, meta)
+    if first is None:
+        return None
+    weights = [first[1]] + [fused_weights(layer, first[0], x.dtype) for layer in model.layers[1:]]
+    return None if any(w is None for w in weights) else (first[0], weights)
+
+
 def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
     """A layer's weights for cpu_kernels' one-call layer, built on first use (again if a weight is swapped), or None
     where the layer is not a quantized Llama-style layer on one rank (`input_layernorm`, `self_attn`,
@@ -106,9 +116,10 @@ def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
     return fused
 
 
-def fused_args(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata) -> tuple:
-    """The per-step arguments of cpu_kernels.decoder_layer / layer_after_norm after the weights and inputs."""
+def fused_args(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor | list[torch.Tensor],
+               v_cache: torch.Tensor | list[torch.Tensor], meta: AttentionMetadata) -> tuple:
+    """The per-step arguments of cpu_kernels.decoder_layer / layer_after_norm after the weights and inputs (one
+    layer's caches), or of decoder_stack (every layer's)."""
     n = x.shape[0]
     return (rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache, meta.slot_mapping, meta.row_kv_slots,
             meta.row_counts)
@@ -156,6 +167,12 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed_tokens(input_ids)
         rope = self.rope.table(positions, rope_dtype(x))
+        stack = fused_stack(self, x, meta)
+        if stack is not None:  # a decode or verify step on one rank: every layer in one kernel call
+            kernels, weights = stack
+            caches = [k for k, _ in kv], [v for _, v in kv]
+            x, *aux = kernels.decoder_stack(weights, x, *fused_args(x, rope, *caches, meta), sorted(self.aux_layers))
+            return self.norm(x), aux
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv[i][0], kv[i][1], meta)
