@@ -36,8 +36,10 @@ CALIBRATION_PER_SEQ = (1, 2, 3, 5)
 CALIBRATION_WIDE = 8  # batches this wide are not timed past CALIBRATION_PER_SEQ's last tree
 # a batch size speculates only while a second verify row per sequence costs at most this many plain verifies: the
 # shipped head's draft token is accepted 43-46% of the time on MT-bench, so a step one row wider yields about 1.5
-# tokens per sequence at best, and past it rank 0's budget is at break-even less its probes
-SECOND_ROW_LIMIT = 1.5
+# tokens per sequence at best, before the draft's own forward and the step's overheads. Measured where the start-up
+# grid put that ratio: 1.31-1.49 at batch 4 on a 2-core EPYC without AMX, 4 clients ran 0.94x plain (at 1.5 the limit
+# fell on either side of batch 4 from start to start); 1.34 at batch 8 on a 2-core Xeon with AMX, 8 clients ran 1.13x
+SECOND_ROW_LIMIT = 1.4
 
 
 def draft_bits(choice: str, target: nn.Module) -> int | None:
@@ -86,8 +88,8 @@ def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int,
 def batch_limit(grid: CostGrid, configured: int) -> int:
     """The decode batch size from which rank 0 steps plainly: the first timed size (from 2) where, at either timed
     context, verifying two rows per sequence costs more than SECOND_ROW_LIMIT times one row; else `configured` (0:
-    none). Measured: 1.67x at 4 on a 2-core EPYC without AMX (the budget ran 0.99x plain with 4 clients), 1.34x at 8
-    on a 2-core Xeon with AMX (1.13x plain with 8)."""
+    none). Measured: 1.31-1.71x at 4 on a 2-core EPYC without AMX (the budget ran 0.94-0.99x plain with 4 clients),
+    1.34x at 8 on a 2-core Xeon with AMX (1.13x plain with 8)."""
     for b in grid.batches:
         if configured and b >= configured:
             break
