@@ -144,7 +144,7 @@ class Metrics:
     def on_step(self, report) -> None:
         """Called from the engine's receiver thread for every StepReport."""
         s = report.stats
-        if s is not None:  # rank 0 sends a snapshot every 50 ms and with every finished request
+        if s is not None:  # rank 0 sends one at most every SNAPSHOT_INTERVAL_S, and with every finished request
             self.labels(self.running).set(s.running)
             self.labels(self.waiting).set(s.waiting)
             self.labels(self.kv_usage).set(s.kv_used_tokens / (s.kv_total_tokens or 1))

@@ -58,7 +58,7 @@ class StepReport:
     """What rank 0 sends after each step: outputs plus engine stats (and step timings for metrics)."""
 
     outputs: list[RequestOutput]
-    stats: EngineSnapshot | None  # None: unchanged for the front end's purposes (rank 0 sends one every 50 ms)
+    stats: EngineSnapshot | None  # None: not due with this report; keep the last (leader.SNAPSHOT_INTERVAL_S)
     step_metrics: StepMetrics = field(default_factory=StepMetrics)
 
 
