@@ -21,7 +21,7 @@ model: setup
 
 # The fused CPU kernels compile once per machine (about a minute; cached in .cache/, rebuilt when the source changes).
 kernels: setup
-	$(PY) -m worker.cpu_kernels
+	$(PY) -m worker.kernels.cpu
 
 serve: model kernels
 	$(VENV)/bin/eaglegate serve $(ARGS)

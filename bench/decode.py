@@ -14,8 +14,8 @@ import torch
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.model_files import GGUF_NAME, fetch_default_model
-from worker.sampling import SamplingParams
+from worker.model.files import GGUF_NAME, fetch_default_model
+from worker.sampling.params import SamplingParams
 
 PROMPT = "Write a detailed essay about the history of the printing press and its effect on Europe."
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from provenance import provenance
 
-from worker.quant import int4_linear, pack, quantize_rtn
+from worker.kernels.quant import int4_linear, pack, quantize_rtn
 
 OUT = Path(__file__).parent / "results"
 H, INTER, DRAFT_VOCAB = 576, 1536, 8192

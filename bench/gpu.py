@@ -30,8 +30,8 @@ from runtime.engine import Engine  # noqa: E402
 from speculative.defaults import default_spec_config  # noqa: E402
 from training.train_data import chat_ids  # noqa: E402
 from worker.config import EngineConfig, SpecConfig  # noqa: E402
-from worker.model_files import GGUF_NAME, default_model_dir, eaglegate_home  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from worker.model.files import GGUF_NAME, default_model_dir, eaglegate_home  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
 
 PROMPTS = ["Explain how a hash map works.", "Write a short poem about the sea.", "What causes the seasons?",
            "List five uses of Python.", "Summarise the plot of Hamlet.", "How do vaccines work?",

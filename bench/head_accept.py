@@ -25,7 +25,7 @@ from runtime.engine import Engine  # noqa: E402
 from server.cli import add_engine_args  # noqa: E402
 from speculative.defaults import DEFAULT_HEAD, resolve_spec_config  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from worker.sampling.params import SamplingParams  # noqa: E402
 
 MORE = ["How do I make a good cup of coffee?", "Summarize the causes of World War I.",
         "Write a Python function that reverses a linked list.",

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from provenance import provenance
 
-from worker import cpu_kernels
-from worker.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn
 
 OUT = Path(__file__).parent / "results"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30

@@ -23,8 +23,8 @@ from spec import chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig
-from worker.model_files import GGUF_NAME, fetch_default_model
-from worker.sampling import SamplingParams
+from worker.model.files import GGUF_NAME, fetch_default_model
+from worker.sampling.params import SamplingParams
 
 OUT = Path(__file__).parent / "results"
 KV_TOKENS = 16384

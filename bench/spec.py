@@ -29,8 +29,8 @@ from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
 from training.train_data import chat_ids
 from worker.config import EngineConfig, SpecConfig
-from worker.model_files import GGUF_NAME, eaglegate_home, fetch_default_model
-from worker.sampling import SamplingParams
+from worker.model.files import GGUF_NAME, eaglegate_home, fetch_default_model
+from worker.sampling.params import SamplingParams
 
 OUT = Path(__file__).parent / "results"
 

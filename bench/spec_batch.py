@@ -26,8 +26,8 @@ from spec import chat_prompt, compare_concurrency, concurrent, mtbench_first_tur
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig
-from worker.model_files import fetch_default_model
-from worker.sampling import SamplingParams
+from worker.model.files import fetch_default_model
+from worker.sampling.params import SamplingParams
 
 OUT = Path(__file__).parent / "results"
 

@@ -18,7 +18,7 @@ from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD
 from worker.config import EngineConfig
 from worker.protocol import StepReport
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 
 def timed_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams,

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from worker.dist import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
@@ -47,11 +49,7 @@ def _bcast_worker(rank: int, port: int, iters: int, batch: int, steps: int, out)
 
 
 def broadcast_bench(iters: int, batch: int, steps: int) -> tuple[list[float], list[float]]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_bcast_worker, args=(r, port, iters, batch, steps, q)) for r in range(2)]
@@ -65,7 +63,7 @@ def broadcast_bench(iters: int, batch: int, steps: int) -> tuple[list[float], li
 
 def engine_bench(config, prompts, max_tokens: int) -> dict:
     from runtime.engine import Engine
-    from worker.sampling import SamplingParams
+    from worker.sampling.params import SamplingParams
 
     collected: dict[str, list[float]] = {}
 
@@ -109,8 +107,8 @@ def main() -> None:
 
     from speculative.defaults import DEFAULT_HEAD
     from worker.config import EngineConfig, SpecConfig
-    from worker.model_config import load_model_config
-    from worker.model_files import fetch_default_model, resolve_model
+    from worker.model.config import load_model_config
+    from worker.model.files import fetch_default_model, resolve_model
 
     fetch_default_model(quiet=True)
     prompts = ["Explain photosynthesis.", "Write a poem about rivers.", "What is a prime number?",

@@ -8,7 +8,7 @@ served bfloat16/int4 weights; each layer one `decoder_layer` kernel call) agains
 called one by one from Python ("unfused"), and, unfused, with the RMSNorms made identities, with attention skipped
 (the rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference
 from the unfused step is that work's cost inside a real step. It also times the step with the fused CPU kernels
-(worker/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the
+(worker/kernels/csrc/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the
 linears on torch's int4 kernel instead of `qlinear` (the same codes), and, where the CPU has AMX tiles, with `qlinear`
 on its dot-product path instead ("no AMX"). The variants are run round-robin so machine
 noise spreads over all of them. Writes bench/results/step.json.
@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 from provenance import provenance
 
-import worker.layers as layers
-import worker.model as model
-from worker import cpu_kernels
-from worker.attention import SeqSlice
+import worker.model.causal_lm as model
+import worker.model.layers as layers
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.model_files import fetch_default_model, resolve_model
-from worker.quant import QBlocks, pack_int4
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.quant import QBlocks, pack_int4
+from worker.model.files import fetch_default_model, resolve_model
+from worker.model.seq_slice import SeqSlice
 from worker.runner import ModelRunner
 
 OUT = Path(__file__).parent / "results"

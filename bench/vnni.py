@@ -27,16 +27,16 @@ from kernels import HIDDEN, INTER, LAYERS, SHAPES  # one SmolLM2-135M step's lin
 from provenance import provenance
 from torch.utils.cpp_extension import load
 
-import worker.layers as layers
-import worker.model as model
+import worker.model.causal_lm as model
+import worker.model.layers as layers
 from training.train_data import chat_ids
-from worker.attention import SeqSlice
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.model_files import fetch_default_model, resolve_model
-from worker.quant import GROUP, QBlocks, QTensor, int4_linear, pack_blocks, quantize_rtn
+from worker.kernels.quant import GROUP, QBlocks, QTensor, int4_linear, pack_blocks, quantize_rtn
+from worker.model.files import fetch_default_model, resolve_model
+from worker.model.seq_slice import SeqSlice
+from worker.model.tokenizer import load_tokenizer
 from worker.runner import ModelRunner
-from worker.tokenizer import load_tokenizer
 
 HERE = Path(__file__).parent
 OUT = HERE / "results"

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from speculative.heads import resolve_draft_path
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.model_config import load_model_config
-from worker.model_files import ModelSource
+from worker.model.config import load_model_config
+from worker.model.files import ModelSource
 
 FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole; larger ones are sampled (SAMPLES chunks)
 SAMPLES, CHUNK = 64, 1 << 20

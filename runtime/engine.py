@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -23,13 +22,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import zmq
 
 from worker.config import EngineConfig
-from worker.loader import check_tp_divisibility
-from worker.model_config import load_model_config
-from worker.model_files import resolve_model
+from worker.dist import free_port
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
+from worker.model.loader import check_tp_divisibility
+from worker.model.tokenizer import load_tokenizer
 from worker.protocol import AbortRequest, AddRequest, AddRequests, Fatal, Ready, RequestOutput, Shutdown, StepReport
-from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
+from worker.sampling.params import InvalidParameterError, SamplingParams, TokenLogprobs
 from worker.stats import EngineSnapshot
-from worker.tokenizer import load_tokenizer
 
 from .rank_main import run_rank
 
@@ -73,12 +73,6 @@ class EngineStats:
     def values(self) -> dict:
         """The flat JSON of `/engine/stats`."""
         return self.snapshot.as_dict() | {"rank_divergences": self.rank_divergences}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AsyncRequest:
@@ -151,7 +145,7 @@ class Engine:
     # --- worker processes ------------------------------------------------------------------------------
     def _start_workers(self, in_addr: str, out_addr: str) -> list[mp.Process]:
         cfg = self.config
-        addr = cfg.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
         init_method = f"tcp://{addr}"
         ctx = mp.get_context("spawn")
         procs = []

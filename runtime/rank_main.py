@@ -16,11 +16,11 @@ import torch.distributed as dist
 from speculative.leader import make_spec_follower, make_spec_leader
 from worker.config import EngineConfig
 from worker.dist import TPGroup
+from worker.kernels.quant import resolve_quantization
 from worker.leader import Leader, follower_step
-from worker.loader import resolve_dtype
-from worker.model_files import resolve_model
+from worker.model.files import resolve_model
+from worker.model.loader import resolve_dtype
 from worker.protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, ShutdownPlan, SpecPlan, StepPlan
-from worker.quant import resolve_quantization
 from worker.runner import ModelRunner
 
 from .agreement import StartupMismatchError, agree

@@ -34,9 +34,9 @@ if [ "${1:-}" = prepare ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .device/whl \
     "$(grep -i '^pyzmq==' requirements.lock)" "$(grep -i '^gguf==' requirements.lock)"
-  home=$("$PY" -c 'from worker.model_files import fetch_default_model; print(fetch_default_model(quiet=True))')
+  home=$("$PY" -c 'from worker.model.files import fetch_default_model; print(fetch_default_model(quiet=True))')
   cp -r "$home/tokenizer" .device/home/smollm2-135m-instruct/
-  mt=$("$PY" -c 'from worker.model_files import eaglegate_home; print(eaglegate_home() / "data")')/mt_bench_question.jsonl
+  mt=$("$PY" -c 'from worker.model.files import eaglegate_home; print(eaglegate_home() / "data")')/mt_bench_question.jsonl
   [ -f "$mt" ] && cp "$mt" .device/home/data/
   git describe --always --dirty --abbrev=40 > .device/COMMIT
   rm -rf .device/model

@@ -16,7 +16,7 @@
 # There, each phase in its own time box:
 #   1. training/distill_runner.py answers the prompts greedily (a continuous batch through the model runner, dense
 #      bfloat16 weights) for DISTILL_SECONDS, into $OUT/answers-gpu.jsonl.gz (commit it as
-#      training/distilled-gpu/answers-000.jsonl.gz);
+#      speculative/answers/distilled-gpu/answers-000.jsonl.gz);
 #   2. train-draft --device cuda records features for the committed and the new answers and trains, warm-started
 #      from the shipped head, for TRAIN_SECONDS (the learning rate's cosine follows the time box);
 #   3. if time is left, the `cuda` tests (tests/test_cuda.py) for a first look at the GPU path.

@@ -78,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "beside a quantized target, else dense (none)")
     p.add_argument("--speculative-corpus", default="auto",
                    help="candidates from a corpus of the target's own answers where the context has no better "
-                        "match: auto is the default model's distilled answers (training/distilled*); PATH: a folder "
+                        "match: auto is the default model's distilled answers (speculative/answers/distilled*); PATH: a folder "
                         "of answers-*.jsonl.gz in that format; off")
     p.add_argument(
         "--rank-consistency-check-interval",
@@ -143,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
-    from worker.model_files import fetch_default_model
+    from worker.model.files import fetch_default_model
 
     folder = fetch_default_model(quiet=args.quiet)
     print(f"default model {DEFAULT_MODEL} ready in {folder}")
@@ -152,7 +152,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.engine import Engine
-    from worker.sampling import SamplingParams
+    from worker.sampling.params import SamplingParams
 
     with Engine(engine_config(args)) as engine:
         text = engine.tokenizer.apply_chat_template(

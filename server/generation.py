@@ -9,9 +9,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from runtime.engine import AsyncRequest, Engine, EngineDeadError
-from worker.grammar import GrammarSpec, InvalidGrammarError, check_grammar
 from worker.protocol import ERROR_CONTEXT_LENGTH, ERROR_INVALID_GRAMMAR, RequestOutput
-from worker.sampling import InvalidParameterError, SamplingParams, TokenLogprobs
+from worker.sampling.grammar import check_grammar
+from worker.sampling.params import (
+    GrammarSpec,
+    InvalidGrammarError,
+    InvalidParameterError,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError

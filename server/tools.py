@@ -19,7 +19,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from worker.grammar import GrammarSpec
+from worker.sampling.params import GrammarSpec
 
 from .errors import APIError
 from .schemas import ChatCompletionRequest, ChatMessage, Tool

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from worker.config import DEFAULT_MODEL, EngineConfig
-from worker.model_files import eaglegate_home
+from worker.model.files import eaglegate_home
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,11 @@ MIN_SHARE = 0.8
 SHORT_SHARE = 0.5
 SHORT_SAMPLE = 1024  # a short match's occurrences voted on at most (a common token occurs 100,000 times)
 PAD = -1  # between answers and around the corpus: never equal to a token, so no match or chain crosses it
-# the default model's self-distilled answers, committed by training/distill.py (CPU) and its GPU runner; read as
-# files, so serving does not import the training package
-_ROOT = Path(__file__).resolve().parent.parent
-DISTILLED_ANSWERS = (_ROOT / "training" / "distilled", _ROOT / "training" / "distilled-gpu")
+# the default model's self-distilled answers, written by `eaglegate distill` (training/distill.py) on a CPU and by its
+# batched runner on a GPU (dense bfloat16 weights, so kept apart with their own MANIFEST.json)
+DISTILLED = Path(__file__).resolve().parent / "answers" / "distilled"
+DISTILLED_GPU = Path(__file__).resolve().parent / "answers" / "distilled-gpu"
+DISTILLED_ANSWERS = (DISTILLED, DISTILLED_GPU)
 
 
 def answer_shards(folder: Path) -> list[Path]:
@@ -55,6 +56,17 @@ def answer_records(shards: Iterable[Path]) -> Iterator[dict]:
             for line in f:
                 if line.strip():
                     yield json.loads(line)
+
+
+def read_answers(folder: Path = DISTILLED, turn: int = 1) -> dict[int, list[int]]:
+    """Every committed answer to a conversation's turn-th human message, by conversation index (records without a
+    "turn" field answer the first)."""
+    return {rec["i"]: rec["ids"] for rec in answer_records(answer_shards(folder)) if rec.get("turn", 1) == turn}
+
+
+def read_all_answers(turn: int = 1) -> dict[int, list[int]]:
+    """The CPU engine's answers, and the GPU's for the conversations the CPU has not answered."""
+    return read_answers(DISTILLED_GPU, turn) | read_answers(DISTILLED, turn)
 
 
 class Corpus:

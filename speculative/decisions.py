@@ -20,8 +20,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.leader import prepare_logits
-from worker.sampling import filter_probs
+from worker.sampling.logits import filter_probs, prepare_logits
 from worker.scheduler import Sequence
 
 from . import budget

@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.attention import AttentionMetadata
 from worker.dist import TPGroup
-from worker.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding
-from worker.model import (
+from worker.model.attention import AttentionMetadata
+from worker.model.causal_lm import (
     MLP,
     Attention,
     CausalLM,
@@ -28,9 +27,10 @@ from worker.model import (
     layer_param_map,
     rope_dtype,
 )
-from worker.model_config import ModelConfig
-from worker.model_files import ModelLoadError
-from worker.weights import load_weights
+from worker.model.config import ModelConfig
+from worker.model.files import ModelLoadError
+from worker.model.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, RotaryEmbedding
+from worker.model.weights import load_weights
 
 SHIPPED_HEADS = Path(__file__).parent / "heads"
 
@@ -127,7 +127,7 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds, feats, rope, k_cache, v_cache, meta):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)
         fused = fused_layer(self, feats, meta)
-        if fused is not None:  # the rest of the layer in one call, as the target's layers (worker/model.py)
+        if fused is not None:  # the rest of the layer in one call, as the target's layers (worker/model/causal_lm.py)
             kernels, weights = fused
             return kernels.layer_after_norm(weights, feats, x, *fused_args(feats, rope, k_cache, v_cache, meta))
         h, normed = self.post_attention_layernorm.after_add(feats, self.self_attn(x, rope, k_cache, v_cache, meta))

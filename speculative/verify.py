@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.sampling import sample_from_probs
+from worker.sampling.logits import sample_from_probs
 
 from .tree import VerifyTree
 

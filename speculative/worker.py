@@ -12,16 +12,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from worker import cpu_kernels
-from worker.attention import SeqSlice, TreeKeys, build_attention_metadata, slots_of
 from worker.config import EngineConfig, SpecConfig
 from worker.dist import TPGroup
-from worker.layers import pack_cpu_linears, quantize_linears
-from worker.model_files import ModelLoadError
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.quant import METHOD_BITS, QBlocks
+from worker.kernels.triton_attention import MAX_TREE_NODES
+from worker.model.attention import build_attention_metadata
+from worker.model.files import ModelLoadError
+from worker.model.layers import pack_cpu_linears, quantize_linears
+from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of
 from worker.protocol import SpecPlan
-from worker.quant import METHOD_BITS, QBlocks
 from worker.runner import ModelRunner
-from worker.triton_attention import MAX_TREE_NODES
 
 from .budget import CostGrid, CostTable, timed_row
 from .decisions import Commit, Selection, SpecDecisions

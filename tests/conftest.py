@@ -16,7 +16,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from runtime.engine import Engine  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
-from worker.model_files import GGUF_NAME, default_model_dir, fetch_default_model  # noqa: E402
+from worker.dist import free_port
+from worker.model.files import GGUF_NAME, default_model_dir, fetch_default_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -76,13 +77,10 @@ class ServerProcess:
     """A real `python -m server serve` subprocess on a free port."""
 
     def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
-        import socket
         import subprocess
         import tempfile
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="eaglegate-server-", suffix=".log", delete=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from worker.model_files import default_model_dir
+from worker.model.files import default_model_dir
 
 
 def save_tiny_model(folder: Path, arch: str = "llama", heads: int = 4, kv_heads: int = 2, layers: int = 2,

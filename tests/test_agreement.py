@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,21 +14,16 @@ import pytest
 from helpers import save_random_eagle_head, save_tiny_model
 
 from runtime.agreement import compare
-from worker.model_config import load_model_config
-from worker.model_files import resolve_model
+from worker.dist import free_port
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
 
 NODE_TIMEOUT = 60
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Node:
     def __init__(self, rank: int, addr: str, args: list[str]):
-        self.port = _port()
+        self.port = free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"eaglegate-node{rank}-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "server", "serve", "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
                "--dist-init-addr", addr, "--port", str(self.port), "--dist-timeout", "30", *args]
@@ -46,7 +40,7 @@ class Node:
 
 
 def _pair(common: list[str], node1_extra: list[str]) -> tuple[Node, Node]:
-    addr = f"127.0.0.1:{_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     return Node(0, addr, common), Node(1, addr, common + node1_extra)
 
 

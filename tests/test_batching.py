@@ -8,7 +8,7 @@ import pytest
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.sampling import InvalidParameterError, SamplingParams
+from worker.sampling.params import InvalidParameterError, SamplingParams
 
 
 def _mixed_prompts(engine, n: int = 16) -> list[list[int]]:

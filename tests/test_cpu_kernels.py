@@ -1,4 +1,4 @@
-"""The fused CPU kernels (worker/cpu_kernels.cpp) against float32 references built from plain torch ops, and the
+"""The fused CPU kernels (worker/kernels/csrc/cpu_kernels.cpp) against float32 references built from plain torch ops, and the
 property speculation relies on: a row's result does not depend on the rows computed with it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker import cpu_kernels
-from worker.layers import RotaryEmbedding, rope_rows
+from worker.kernels import cpu as cpu_kernels
+from worker.model.layers import RotaryEmbedding, rope_rows
 
 K = cpu_kernels.ops(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(K is None, reason="the fused CPU kernels did not build (a warning says why)")
@@ -111,11 +111,11 @@ def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows, monke
     """cpu_kernels.decoder_layer runs a whole quantized layer in one call, and decoder_stack every layer in one call:
     the hidden states, EAGLE-3's features and the KV they write must be exactly those of the layer's ops called one by
     one from Python."""
-    import worker.model as model
-    from worker.attention import SeqSlice
+    import worker.model.causal_lm as model
     from worker.config import EngineConfig
     from worker.dist import TPGroup
-    from worker.model_files import resolve_model
+    from worker.model.files import resolve_model
+    from worker.model.seq_slice import SeqSlice
     from worker.runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=1024), resolve_model(str(smol_dir)),

@@ -10,7 +10,7 @@ import pytest
 
 from runtime.engine import Engine
 from worker.config import EngineConfig, SpecConfig
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
@@ -50,7 +50,7 @@ def test_captured_bfloat16_logits_match_eager(gpu_llama):
     import torch
 
     from worker.dist import single_rank_group
-    from worker.model_files import resolve_model
+    from worker.model.files import resolve_model
     from worker.protocol import ForwardPlan
     from worker.runner import ModelRunner
 
@@ -70,8 +70,8 @@ def test_captured_bfloat16_logits_match_eager(gpu_llama):
 def test_eagle_on_gpu_with_captured_verify_is_lossless(gpu_llama, cpu_reference, tmp_path):
     from helpers import save_random_eagle_head
 
-    from worker.model_config import load_model_config
-    from worker.model_files import resolve_model
+    from worker.model.config import load_model_config
+    from worker.model.files import resolve_model
 
     head = save_random_eagle_head(tmp_path / "head", load_model_config(resolve_model(str(gpu_llama))), "eagle3")
     spec = SpecConfig("EAGLE3", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=6, cost_table="off")

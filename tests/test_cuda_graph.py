@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention import SeqSlice, TreeKeys, slots_of
-from worker.cuda_graph import GraphRunner, StaticBuffers, capture_sizes, pick_bucket, step_rows
+from worker.kernels.cuda_graph import GraphRunner, StaticBuffers, capture_sizes, pick_bucket, step_rows
+from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of
 
 BS = 4
 

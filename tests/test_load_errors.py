@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from runtime.engine import Engine, EngineDeadError
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
-from worker.loader import load_target
-from worker.model_files import GGUF_NAME, ModelLoadError, resolve_model
+from worker.model.files import GGUF_NAME, ModelLoadError, resolve_model
+from worker.model.loader import load_target
 
 
 def _load(path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,18 +13,13 @@ import pytest
 from conftest import ServerProcess
 from helpers import save_copy_eagle_head
 
-from worker.model_config import load_model_config
-from worker.model_files import resolve_model
+from worker.dist import free_port
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus (Debian package) not installed; make test installs it")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server(tiny_llama, extra: list[str]) -> ServerProcess:
@@ -74,7 +68,7 @@ def spec_server(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(spec_server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
-    port = _port()
+    port = free_port()
     config = folder / "prometheus.yml"
     config.write_text(f"""global:
   scrape_interval: 1s

@@ -14,11 +14,11 @@ from helpers import save_tiny_model
 from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
-from worker.model_config import load_model_config
-from worker.model_files import ModelLoadError, resolve_model
+from worker.model.config import load_model_config
+from worker.model.files import ModelLoadError, resolve_model
 from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 PROMPTS = [[5, 17, 400, 9000, 12, 77, 3], [22, 1534, 7, 900], [9, 9, 9, 9, 100, 200, 300, 400, 500, 600, 700]]
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)

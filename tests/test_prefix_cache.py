@@ -13,7 +13,7 @@ from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD
 from worker.config import EngineConfig, SpecConfig
 from worker.prefix_cache import PrefixCache
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 from worker.scheduler import BlockPool, Scheduler, Sequence
 
 BS = 4

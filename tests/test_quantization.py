@@ -1,4 +1,4 @@
-"""Quantized weights (worker/quant.py) against independent references: the gguf package's own dequantizer, a float32
+"""Quantized weights (worker/kernels/quant.py) against independent references: the gguf package's own dequantizer, a float32
 matmul, and transformers' float32 load of the same GGUF."""
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ import torch
 from conftest import chat
 
 from runtime.engine import Engine
-from worker import cpu_kernels
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
-from worker.model_files import GGUF_NAME, ModelLoadError, resolve_model
-from worker.protocol import ForwardPlan
-from worker.quant import (
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.quant import (
     GGUF_SUPPORTED,
     Int4Weight,
     QBlocks,
@@ -30,9 +28,11 @@ from worker.quant import (
     pack_int4,
     quantize_rtn,
 )
+from worker.model.files import GGUF_NAME, ModelLoadError, resolve_model
+from worker.model.weights import gguf_tensor
+from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
-from worker.weights import gguf_tensor
+from worker.sampling.params import SamplingParams
 
 QUANTIZED = EngineConfig(dtype="bfloat16", quantization="auto", max_total_tokens=4096)
 PROMPTS = ["Write a short story about a dragon who learns to bake.", "Explain how vaccines work.",
@@ -219,7 +219,8 @@ def test_auto_keeps_the_files_quantization(quantized_runner):
 
 def test_verify_rows_equal_decode_rows(quantized_runner, smol_engine):
     """A tree verify's logits for each accepted row are bit-identical to decoding those tokens one at a time."""
-    from worker.attention import SeqSlice, TreeKeys, build_attention_metadata, slots_of
+    from worker.model.attention import build_attention_metadata
+    from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of
 
     r = quantized_runner
     ids = smol_engine.encode(chat(smol_engine, "Describe how a bicycle works."))

@@ -10,9 +10,9 @@ from helpers import save_copy_eagle_head, save_tiny_model
 
 from runtime.engine import Engine, EngineDeadError, _Sink
 from worker.config import EngineConfig, SpecConfig
-from worker.model_config import load_model_config
-from worker.model_files import resolve_model
-from worker.sampling import SamplingParams
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
+from worker.sampling.params import SamplingParams
 
 
 def _with_head(model, root):

@@ -7,10 +7,10 @@ from conftest import chat
 
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
-from worker.model_files import resolve_model
+from worker.model.files import resolve_model
 from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

@@ -20,9 +20,9 @@ from helpers import alive, descendants, save_copy_eagle_head
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.model_config import load_model_config
-from worker.model_files import resolve_model
-from worker.sampling import SamplingParams
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
+from worker.sampling.params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from load import run_load  # noqa: E402

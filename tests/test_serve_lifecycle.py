@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,13 +12,9 @@ import httpx
 import openai
 from helpers import alive, descendants
 
+from worker.dist import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -36,7 +31,7 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 240) -> None
 
 
 def test_make_serve_answers_chat_and_sigterm_exits_cleanly(smol_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(["make", "-s", "serve", f"ARGS=--port {port}"], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)

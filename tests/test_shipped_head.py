@@ -10,7 +10,7 @@ from runtime.engine import Engine
 from server.cli import add_engine_args
 from speculative.defaults import DEFAULT_HEAD, resolve_spec_config
 from worker.config import EngineConfig
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 QUESTIONS = ["Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
              "What are three tips for staying healthy?", "Describe how a bicycle works."]

@@ -22,9 +22,9 @@ from speculative.defaults import default_spec_config
 from speculative.tree import DraftTree, VerifyTree, build_verify_tree, draft_only_accepted
 from speculative.worker import batch_limit, calibration_batches, check_tree_width
 from worker.config import EngineConfig, SpecConfig
-from worker.model_config import load_model_config
-from worker.model_files import resolve_model
-from worker.sampling import SamplingParams
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
+from worker.sampling.params import SamplingParams
 
 PASSAGE = ("The old lighthouse stood on the rocky cliff for more than a hundred years. Every night its keeper climbed "
            "the narrow stairs to light the lamp, and every morning he wrote the weather in a small blue book.")
@@ -94,8 +94,7 @@ def test_a_chain_is_chosen_by_the_tokens_it_promises():
 
 
 def test_the_default_corpus_is_the_committed_distilled_answers():
-    from speculative.corpus import DISTILLED_ANSWERS, corpus_folders
-    from training.distill import DISTILLED, DISTILLED_GPU
+    from speculative.corpus import DISTILLED, DISTILLED_ANSWERS, DISTILLED_GPU, corpus_folders
 
     assert DISTILLED_ANSWERS == (DISTILLED.resolve(), DISTILLED_GPU.resolve())
     spec = default_spec_config()

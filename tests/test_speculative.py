@@ -13,11 +13,11 @@ from speculative.defaults import DEFAULT_HEAD
 from speculative.heads import read_draft
 from speculative.tree import VerifyTree
 from speculative.verify import verify_sampling
-from worker import cpu_kernels
 from worker.config import EngineConfig, SpecConfig
-from worker.model_config import load_model_config
-from worker.model_files import ModelLoadError, resolve_model
-from worker.sampling import SamplingParams
+from worker.kernels import cpu as cpu_kernels
+from worker.model.config import load_model_config
+from worker.model.files import ModelLoadError, resolve_model
+from worker.sampling.params import SamplingParams
 
 # repetitive prompts make the copy head's drafts accepted (multi-token commits), the others mostly rejected
 PROMPTS = ["A A A A A A A A A A A A", "1 1 1 1 1 1 1 1 1 1 1 1 1", "The capital of France is", "ha ha ha ha ha ha",
@@ -212,7 +212,7 @@ def test_published_head_layouts_load(tmp_path, smol_cfg, kind, fmt):
         assert dcfg.draft_vocab_size == 1024 and dcfg.aux_layers == (2, 15, 27)
     from speculative.heads import load_draft_head
     from worker.dist import single_rank_group
-    from worker.loader import load_target
+    from worker.model.loader import load_target
 
     target, _ = load_target(EngineConfig(), resolve_model("smollm2-135m-instruct"),
                             single_rank_group(torch.device("cpu")), torch.float32)
@@ -253,9 +253,9 @@ def test_draft_head_runs_int8_beside_a_quantized_target():
     from speculative.heads import load_draft_head
     from speculative.worker import draft_bits
     from worker.dist import single_rank_group
-    from worker.layers import quantize_linears
-    from worker.loader import load_target
-    from worker.quant import QBlocks
+    from worker.kernels.quant import QBlocks
+    from worker.model.layers import quantize_linears
+    from worker.model.loader import load_target
 
     ops = cpu_kernels.ops(torch.device("cpu"))
     if ops is None or not ops.qlinear_fast():
@@ -276,9 +276,10 @@ def test_draft_head_runs_int8_beside_a_quantized_target():
         a, b = dense.logits(x), head.logits(x)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert ((a - b).abs().max() / a.abs().max()) < 0.05
-    # the quantized draft layer runs as one kernel call (worker/model.py) with the bits of its ops called one by one
-    import worker.model as model_mod
-    from worker.attention import SeqSlice, build_attention_metadata
+    # the quantized draft layer runs as one kernel call (worker/model/causal_lm.py) with the bits of its ops called one by one
+    import worker.model.causal_lm as model_mod
+    from worker.model.attention import build_attention_metadata
+    from worker.model.seq_slice import SeqSlice
 
     meta = build_attention_metadata([SeqSlice(10, 3, list(range(16)))], 16, torch.device("cpu"), "torch")
     ids, pos, feats = torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]), torch.randn(3, 576, generator=g).bfloat16()

@@ -13,9 +13,9 @@ from conftest import chat
 from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD
 from worker.config import EngineConfig, SpecConfig
-from worker.grammar import GrammarSpec, InvalidGrammarError, check_grammar
 from worker.protocol import FINISH_DEAD_END
-from worker.sampling import SamplingParams
+from worker.sampling.grammar import check_grammar
+from worker.sampling.params import GrammarSpec, InvalidGrammarError, SamplingParams
 
 WORDS = ["city", "score", "label", "owner", "color", "size", "kind", "count", "title", "level", "price", "tags"]
 

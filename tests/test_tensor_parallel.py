@@ -6,8 +6,8 @@ import pytest
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
-from worker.model_files import ModelLoadError
-from worker.sampling import SamplingParams
+from worker.model.files import ModelLoadError
+from worker.sampling.params import SamplingParams
 
 PROMPT_IDS = [[1, 504, 3060, 282, 4649, 314], [22, 1534, 7], [9, 9, 9, 9, 100, 200, 300, 400, 500, 600, 700]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

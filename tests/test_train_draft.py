@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from runtime.engine import Engine
 from worker.config import EngineConfig, SpecConfig
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
@@ -124,8 +124,8 @@ def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_chan
     from training.train import warm_start
     from training.train_model import TrainableEagle3
     from worker.dist import single_rank_group
-    from worker.loader import load_target
-    from worker.model_files import resolve_model
+    from worker.model.files import resolve_model
+    from worker.model.loader import load_target
 
     config = EngineConfig()
     target, _ = load_target(config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")),
@@ -153,8 +153,8 @@ def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine):
     from training.train import export_head, warm_start
     from training.train_model import TrainableEagle3
     from worker.dist import single_rank_group
-    from worker.loader import load_target
-    from worker.model_files import resolve_model
+    from worker.model.files import resolve_model
+    from worker.model.loader import load_target
 
     config = EngineConfig()
     target, cfg = load_target(config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")),
@@ -187,8 +187,8 @@ def test_unpacked_int4_linears_compute_what_the_kernel_computes():
     oneDNN, matches the int4 kernel on the same input to bfloat16 rounding."""
     import torch
 
-    from worker.layers import linear, unpack_quantized_linears
-    from worker.quant import pack, quantize_rtn
+    from worker.kernels.quant import pack, quantize_rtn
+    from worker.model.layers import linear, unpack_quantized_linears
 
     torch.manual_seed(0)
     mod = torch.nn.Linear(64, 96, bias=False)
@@ -207,7 +207,7 @@ def test_runner_distillation_answers_as_the_engine_does(smol_engine):
 
     from training.distill_runner import greedy_answers
     from worker.dist import single_rank_group
-    from worker.model_files import resolve_model
+    from worker.model.files import resolve_model
     from worker.runner import ModelRunner
 
     texts = ["Say hi.", "Count from one to twenty in words.", "Name a colour.", "What is 2+2? Answer briefly.",

@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from worker.attention import SeqSlice, TreeKeys, attend, build_attention_metadata, slots_of  # noqa: E402
-from worker.triton_attention import paged_rows, triton_attend  # noqa: E402
+from worker.kernels.triton_attention import paged_rows, triton_attend  # noqa: E402
+from worker.model.attention import attend, build_attention_metadata  # noqa: E402
+from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of  # noqa: E402
 
 BS = 4
 
@@ -70,9 +71,9 @@ def test_model_with_the_triton_backend_decodes_like_the_reference(tiny_llama):
 
     from runtime.engine import Engine
     from worker.config import EngineConfig, SpecConfig
-    from worker.model_config import load_model_config
-    from worker.model_files import resolve_model
-    from worker.sampling import SamplingParams
+    from worker.model.config import load_model_config
+    from worker.model.files import resolve_model
+    from worker.sampling.params import SamplingParams
 
     prompts = [[5, 17, 400, 9000, 12, 77, 3], [22, 1534, 7, 900, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11]]
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)

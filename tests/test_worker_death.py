@@ -11,7 +11,7 @@ import pytest
 
 from runtime.engine import Engine, EngineDeadError
 from worker.config import EngineConfig
-from worker.sampling import SamplingParams
+from worker.sampling.params import SamplingParams
 
 
 @pytest.mark.parametrize("victim", [0, 1])

@@ -14,7 +14,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from worker.model_files import eaglegate_home
+from worker.model.files import eaglegate_home
 
 BUILTIN_PROMPTS = [
     "Explain how a rainbow forms.", "Write a short poem about autumn leaves.", "What is the Pythagorean theorem?",

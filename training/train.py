@@ -26,8 +26,8 @@ from tqdm import tqdm
 from speculative.heads import default_aux_layers
 from worker.config import DEFAULT_MODEL, EngineConfig
 from worker.dist import single_rank_group
-from worker.loader import load_target
-from worker.model_files import resolve_model
+from worker.model.files import resolve_model
+from worker.model.loader import load_target
 
 from .train_data import PART_TOKENS, collect, export_examples
 from .train_model import TRAINABLE
@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
     p.add_argument("--distilled", action="store_true",
-                   help="train on the committed answers of `eaglegate distill` (training/distilled/) instead of "
+                   help="train on the committed answers of `eaglegate distill` (speculative/answers/distilled/) instead of "
                         "generating --num-prompts answers")
     p.add_argument("--conversations", type=int, default=0,
                    help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)")

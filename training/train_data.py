@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from speculative.corpus import read_all_answers
 from speculative.heads import default_aux_layers
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
-from worker.layers import unpack_quantized_linears
-from worker.model_files import resolve_model
+from worker.model.files import resolve_model
+from worker.model.layers import unpack_quantized_linears
 from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
 
@@ -40,7 +41,7 @@ def generate_answers(args, out: Path) -> list[Example]:
     if not args.num_prompts:
         return []
     from runtime.engine import Engine
-    from worker.sampling import SamplingParams
+    from worker.sampling.params import SamplingParams
 
     prompts = training_prompts(args.prompts, args.num_prompts, args.seed)
     with Engine(EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536,
@@ -70,7 +71,6 @@ def distilled_prompts(tok, wanted: list[tuple[int, int]]) -> dict[tuple[int, int
     """Chat-templated ids of ShareGPT human turns, by (conversation index, turn): turn 1 alone; turn 2 after turn 1
     and the target's own distilled answer to it (the context it would have served). [] where the text is missing."""
     from .data import sharegpt_human_turns
-    from .distill import read_all_answers
 
     turns = {t: sharegpt_human_turns(t) for t in {1} | {t for _, t in wanted}}  # turn 2 prompts quote turn 1
     first = turns[1]
@@ -90,11 +90,10 @@ def distilled_prompts(tok, wanted: list[tuple[int, int]]) -> dict[tuple[int, int
 
 
 def distilled_examples(args) -> list[Example]:
-    """The committed answers of `eaglegate distill` and of the GPU (training/distilled*/), first and second turns,
+    """The committed answers of `eaglegate distill` and of the GPU (speculative/answers/distilled*/), first and second turns,
     each after its ShareGPT prompt rendered with the chat template."""
-    from worker.tokenizer import load_tokenizer
+    from worker.model.tokenizer import load_tokenizer
 
-    from .distill import read_all_answers
 
     tok = load_tokenizer(resolve_model(args.model_path))
     answers = {(i, t): a for t in (1, 2) for i, a in read_all_answers(t).items() if a}
@@ -130,7 +129,7 @@ def build_examples(args, out: Path) -> tuple[list[Example], int]:
     examples = generate_answers(args, out)
     num_answers = len(examples)
     if args.conversations:
-        from worker.tokenizer import load_tokenizer
+        from worker.model.tokenizer import load_tokenizer
 
         tok = load_tokenizer(resolve_model(args.model_path))
         convs = sharegpt_conversations(args.conversations, args.seed)

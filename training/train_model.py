@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers import RotaryEmbedding
+from worker.model.layers import RotaryEmbedding
 
 Param = nn.Parameter
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # worker/quant.py
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # worker/kernels/quant.py
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SpecConfig:
     # the draft head's weights on CPU: auto is int8 beside a quantized target (speculative/worker.py), else dense
     draft_quantization: str = "auto"  # auto | none | int8 | int4
     # corpus candidates (speculative/corpus.py): "auto" is the target's own distilled answers where the target is
-    # the default model (training/distilled*), else off; a path is a folder of answers in that format; "off"
+    # the default model (speculative/answers/distilled*), else off; a path is a folder of answers in that format; "off"
     corpus: str = "auto"
 
     @property
@@ -54,7 +54,7 @@ class EngineConfig:
     tp_size: int = 1
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    quantization: str = "auto"  # auto | none | int8 | int4 (worker/quant.py)
+    quantization: str = "auto"  # auto | none | int8 | int4 (worker/kernels/quant.py)
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of free memory given to the KV pool when max_total_tokens is None
     block_size: int = 16
@@ -62,7 +62,7 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch (the reference) | triton (paged)
-    enforce_eager: bool = False  # no graph capture on GPUs (worker/cuda_graph.py)
+    enforce_eager: bool = False  # no graph capture on GPUs (worker/kernels/cuda_graph.py)
     cuda_graph_max_rows: int = 256  # the largest captured step, in rows (decode rows plus verify-tree rows)
     disable_radix_cache: bool = False  # rank 0's prefix cache (worker/prefix_cache.py) is on unless this is set
     # distributed

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import pickle
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now (the OS picks it), for a rendezvous or a server started next."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -11,8 +11,8 @@ import struct
 
 import torch
 
-from .dist import TPGroup
-from .protocol import ForwardPlan, SpecPlan, StepPlan
+from worker.dist import TPGroup
+from worker.protocol import ForwardPlan, SpecPlan, StepPlan
 
 
 class RankDivergenceError(RuntimeError):

@@ -6,12 +6,12 @@ import time
 
 import torch
 
-from .config import EngineConfig
-from .dist import TPGroup
-from .grammar import Grammars
-from .guard import check_consistency, fingerprint
-from .prefix_cache import PrefixCache
-from .protocol import (
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.guard import check_consistency, fingerprint
+from worker.model.tokenizer import load_tokenizer
+from worker.prefix_cache import PrefixCache
+from worker.protocol import (
     ERROR_CONTEXT_LENGTH,
     ERROR_ENGINE,
     ERROR_INVALID_GRAMMAR,
@@ -24,11 +24,11 @@ from .protocol import (
     StepPlan,
     StepReport,
 )
-from .runner import ModelRunner
-from .sampling import apply_logit_bias, apply_penalties, filter_probs, sample_from_probs, top_logprobs
-from .scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
-from .stats import EngineSnapshot, StepMetrics
-from .tokenizer import load_tokenizer
+from worker.runner import ModelRunner
+from worker.sampling.grammar import Grammars
+from worker.sampling.logits import filter_probs, prepare_logits, sample_from_probs, top_logprobs
+from worker.scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
+from worker.stats import EngineSnapshot, StepMetrics
 
 # a report carries rank 0's stats snapshot at most this often while steps run (and always with a finished request or
 # outside a step): building, pickling and sending it every step cost 2.5% of plain decode's speed on a 2-core CPU
@@ -233,25 +233,6 @@ class Leader:
                 RequestOutput(seq.request_id, [], None, "error", seq.num_prompt, len(seq.output_ids), error=message,
                               error_code=ERROR_ENGINE)
             )
-
-
-def prepare_logits(seq: Sequence, row: torch.Tensor, path_tokens: list[int] | tuple = ()) -> torch.Tensor:
-    """Rank 0's view of one row before choosing a token: logit bias, penalties, then the grammar mask, applied
-    to one float32 copy (the row itself is left for logprobs).
-
-    `path_tokens` are tokens accepted after the committed ones in a verify walk (speculative decoding)."""
-    p = seq.params
-    if not p.adjusts_logits and seq.grammar is None:
-        return row
-    row = row.float().clone()
-    if p.logit_bias:
-        apply_logit_bias(row, p)
-    if p.has_penalties:
-        apply_penalties(row, p, seq.token_ids[: seq.num_prompt], seq.output_ids + list(path_tokens))
-    if seq.grammar is not None:
-        seq.grammar.speculate(list(path_tokens))
-        seq.grammar.mask_(row)
-    return row
 
 
 def follower_step(config: EngineConfig, runner: ModelRunner, tp: TPGroup, plan: ForwardPlan) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams, TokenLogprobs
-from .stats import EngineSnapshot, StepMetrics
+from worker.sampling.params import SamplingParams, TokenLogprobs
+from worker.stats import EngineSnapshot, StepMetrics
 
 ERROR_CONTEXT_LENGTH = "context_length_exceeded"  # OpenAI's code for a prompt over the context limit
 ERROR_ENGINE = "engine_error"

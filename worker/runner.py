@@ -9,14 +9,15 @@ import os
 
 import torch
 
-from . import cpu_kernels
-from .attention import SeqSlice, build_attention_metadata
-from .config import EngineConfig
-from .cuda_graph import GraphRunner, StaticBuffers, capture_sizes, step_rows
-from .dist import TPGroup
-from .loader import load_target, resolve_dtype
-from .model_files import ModelSource
-from .protocol import ForwardPlan
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.cuda_graph import GraphRunner, StaticBuffers, capture_sizes, step_rows
+from worker.model.attention import build_attention_metadata
+from worker.model.files import ModelSource
+from worker.model.loader import load_target, resolve_dtype
+from worker.model.seq_slice import SeqSlice
+from worker.protocol import ForwardPlan
 
 
 def kv_cache_dtype(dtype: torch.dtype, device: torch.device, backend: str = "torch") -> torch.dtype:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import Matcher
-from .prefix_cache import Node, PrefixCache
-from .sampling import SamplingParams, TokenLogprobs
-from .stats import EngineSnapshot, PrefixCacheCounts
+from worker.prefix_cache import Node, PrefixCache
+from worker.sampling.grammar import Matcher
+from worker.sampling.params import SamplingParams, TokenLogprobs
+from worker.stats import EngineSnapshot, PrefixCacheCounts
 
 
 class BlockPool:

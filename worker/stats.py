@@ -63,7 +63,7 @@ class EngineSnapshot:
     spec_draft_calibration: dict[int, dict[str, float]] | None = None  # by draft depth (budget.Calibration.summary)
     spec_disable_batch_size: int | None = None  # decode batches this large step plainly (0: none; rank 0's limit)
     prefix_cache: PrefixCacheCounts | None = None  # None with --disable-radix-cache
-    graph_replays: int = 0  # target forwards run from captured graphs (worker/cuda_graph.py)
+    graph_replays: int = 0  # target forwards run from captured graphs (worker/kernels/cuda_graph.py)
 
     def as_dict(self) -> dict:
         """The flat JSON of `/engine/stats` (speculative counters prefixed `spec_`)."""

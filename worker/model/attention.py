@@ -16,27 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-
-
-@dataclass
-class TreeKeys:
-    """Non-causal keys for EAGLE trees: new tokens go to `write_slots`, each sees the whole context plus the
-    `key_slots` its row of `mask` allows (its ancestors and itself)."""
-
-    write_slots: list[int]
-    key_slots: list[int]
-    mask: torch.Tensor  # [q_len, len(key_slots)] bool
-
-
-@dataclass
-class SeqSlice:
-    """One sequence's part of a step: q_len new tokens after ctx_len cached ones."""
-
-    ctx_len: int
-    q_len: int
-    block_table: list[int]
-    tree: TreeKeys | None = None
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.triton_attention import paged_rows, triton_attend
+from worker.model.seq_slice import SeqSlice
 
 
 @dataclass
@@ -50,7 +32,7 @@ class AttentionMetadata:
     row_bias: torch.Tensor | None = None  # [R, 1, Lr] float: 0 for real keys, -inf for padding
     row_counts: torch.Tensor | None = None  # [R] how many of each row's keys are real
     row_gather: dict | None = None  # per KV-head count: flat (slot, head) indices and the bias, built once a step
-    paged: object | None = None  # triton backend: per-row PagedRows (worker/triton_attention.py)
+    paged: object | None = None  # triton backend: per-row PagedRows (worker/kernels/triton_attention.py)
     block_size: int = 16
 
 
@@ -76,10 +58,6 @@ def _row_keys(mask: torch.Tensor, kv_slots: torch.Tensor, q_valid: torch.Tensor)
     order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)[:, :width]  # real keys first, in order
     valid = torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)
     return torch.where(valid, slots.gather(1, order), torch.zeros_like(order)), valid
-
-
-def slots_of(block_table: list[int], positions, block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device,
@@ -128,8 +106,6 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
         row_index = torch.arange(int(q_lens.sum())).masked_select(short.repeat_interleave(q_lens))
     paged = None
     if backend == "triton":
-        from .triton_attention import paged_rows
-
         paged = paged_rows(seqs, device)
     return AttentionMetadata(
         paged=paged,
@@ -184,8 +160,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     q = q.to(k_cache.dtype)
     if meta.paged is not None:
-        from .triton_attention import triton_attend
-
         return triton_attend(q, k_cache, v_cache, meta.paged, meta.block_size, scale).to(dtype)
     every_row = meta.row_index is not None and meta.row_index.numel() == q.shape[0]
     if every_row:

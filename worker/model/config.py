@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .model_files import ModelLoadError, ModelSource
+from worker.model.files import ModelLoadError, ModelSource
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -13,7 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without q/k/v bias, with per-head RMSNorm on q and k
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 attention (q/k/v bias), sparse MoE with a gated shared expert
-    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, sparse MoE MLPs (worker/moe.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, sparse MoE MLPs (worker/model/moe.py)
     "MixtralForCausalLM": "mixtral",  # Mistral attention, sparse MoE MLPs
     # partial rotary, optional q/k norm; shared experts beside grouped sigmoid top-k routing with a score bias
     "Glm4MoeForCausalLM": "glm4_moe",

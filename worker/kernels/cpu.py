@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_suffix(".cpp")
-CACHE = Path(os.environ.get("EAGLEGATE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CACHE = Path(os.environ.get("EAGLEGATE_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
 _module: object | None = None
 _tried = False
 _lock = threading.Lock()
@@ -81,7 +81,7 @@ def _load() -> None:
         _tried = True
 
 
-if __name__ == "__main__":  # `python -m worker.cpu_kernels` (make serve/test): build ahead; a failure is not fatal
+if __name__ == "__main__":  # `python -m worker.kernels.cpu` (make serve/test): build ahead; a failure is not fatal
     logging.basicConfig(level=logging.WARNING)
     _load()
     print(f"fused CPU kernels built in {build_dir()}" if _module is not None else

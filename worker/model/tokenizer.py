@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .model_files import ModelLoadError, ModelSource
+from worker.model.files import ModelLoadError, ModelSource
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):

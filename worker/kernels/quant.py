@@ -1,5 +1,5 @@
 """Groupwise weight quantization: GGUF blocks kept as they are, round-to-nearest for dense checkpoints, and the CPU
-kernels that run them: our own `qlinear` (worker/cpu_kernels.cpp) where it is built, else torch's
+kernels that run them: our own `qlinear` (worker/kernels/csrc/cpu_kernels.cpp) where it is built, else torch's
 `aten._weight_int4pack_mm_for_cpu`.
 
 A quantized weight travels through loading as a `QTensor` (codes, per-group scale and offset), so every rank
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import cpu_kernels
-from .config import QUANTIZATION_CHOICES
+from worker.config import QUANTIZATION_CHOICES
+from worker.kernels import cpu as cpu_kernels
 
 GROUP = 32  # GGUF's block size, and the kernel's group size
 METHOD_BITS = {"int4": 4, "int8": 8}  # the methods that quantize every linear at load, and their width

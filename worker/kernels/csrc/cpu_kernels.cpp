@@ -691,7 +691,7 @@ void qlinear_amx(const c10::BFloat16* x, const float* xsum, int64_t m, int64_t k
 #endif
 
 // x [M, K] bfloat16 (or float32: portable path) -> [M, out_features] in x's dtype. codes and scale_offset as packed by
-// worker/quant.py (blocks of 16 outputs, zero-padded); `generic` forces the portable path (tests run both).
+// worker/kernels/quant.py (blocks of 16 outputs, zero-padded); `generic` forces the portable path (tests run both).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_offset, int64_t bits,
                       int64_t out_features, bool generic) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dist import TPGroup
-from .layers import GatedMLP, _check_shape, _param
-from .model_config import ModelConfig
+from worker.dist import TPGroup
+from worker.model.config import ModelConfig
+from worker.model.layers import GatedMLP, _check_shape, _param
 
 
 class Router(nn.Module):

@@ -5,7 +5,7 @@ One program per (query row, KV head) walks the row's keys block by block with an
 the keys at positions below its causal limit; a tree row (EAGLE verify) sees its context plus the tree nodes
 its ancestor bitmask names (nodes sit at consecutive positions after the context, as the verify step writes
 them). Each row's result depends only on its own keys, as on the reference path. Tested on CPU with Triton's
-interpreter (TRITON_INTERPRET=1) against `worker/attention.py`, which stays the CPU default and the oracle.
+interpreter (TRITON_INTERPRET=1) against `worker/model/attention.py`, which stays the CPU default and the oracle.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import SeqSlice
+from worker.model.seq_slice import SeqSlice
 
 MAX_TREE_NODES = 63  # a tree row's visible nodes travel as one int64 bitmask
 

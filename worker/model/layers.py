@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
-from .dist import TPGroup
-from .quant import Int4Weight, QBlocks, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
+from worker.dist import TPGroup
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.quant import Int4Weight, QBlocks, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:

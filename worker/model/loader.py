@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .config import EngineConfig
-from .dist import TPGroup
-from .layers import pack_cpu_linears, quantize_linears
-from .model import CausalLM
-from .model_config import ModelConfig, load_model_config
-from .model_files import ModelLoadError, ModelSource
-from .quant import METHOD_BITS, resolve_quantization
-from .weights import iter_checkpoint, load_weights
+from worker.config import EngineConfig
+from worker.dist import TPGroup
+from worker.kernels.quant import METHOD_BITS, resolve_quantization
+from worker.model.causal_lm import CausalLM
+from worker.model.config import ModelConfig, load_model_config
+from worker.model.files import ModelLoadError, ModelSource
+from worker.model.layers import pack_cpu_linears, quantize_linears
+from worker.model.weights import iter_checkpoint, load_weights
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -16,22 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import InvalidParameterError
-
-KINDS = ("json_object", "json_schema", "regex", "ebnf")
-
-
-class InvalidGrammarError(InvalidParameterError):
-    """A schema, regex or grammar that cannot be compiled; `param` names the request field (a 400)."""
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What constrains one request's output: `kind` in KINDS and its source (schema JSON, regex or EBNF)."""
-
-    kind: str
-    source: str = ""
-    param: str = "response_format"  # the request field it came from, for error messages
+from worker.sampling.params import KINDS, GrammarSpec, InvalidGrammarError
 
 
 def check_grammar(spec: GrammarSpec) -> None:

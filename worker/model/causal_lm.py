@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import cpu_kernels
-from .attention import AttentionMetadata, attend, attend_rotated
-from .dist import TPGroup
-from .layers import (
+from worker.dist import TPGroup
+from worker.kernels import cpu as cpu_kernels
+from worker.kernels.quant import QBlocks
+from worker.model.attention import AttentionMetadata, attend, attend_rotated
+from worker.model.config import ModelConfig
+from worker.model.layers import (
     GatedMLP,
     ParallelLMHead,
     QKVParallelLinear,
@@ -18,9 +20,7 @@ from .layers import (
     VocabParallelEmbedding,
     rope_rows,
 )
-from .model_config import ModelConfig
-from .moe import SparseMoE, moe_param_map
-from .quant import QBlocks
+from worker.model.moe import SparseMoE, moe_param_map
 
 
 class Attention(nn.Module):

@@ -12,9 +12,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .model_config import ModelConfig
-from .model_files import ModelLoadError, ModelSource
-from .quant import GGUF_EXACT, GGUF_REQUANT, GGUF_SUPPORTED, METHOD_BITS, QTensor, gguf_blocks, quantize_rtn
+from worker.kernels.quant import (
+    GGUF_EXACT,
+    GGUF_REQUANT,
+    GGUF_SUPPORTED,
+    METHOD_BITS,
+    QTensor,
+    gguf_blocks,
+    quantize_rtn,
+)
+from worker.model.config import ModelConfig
+from worker.model.files import ModelLoadError, ModelSource
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -127,7 +135,7 @@ def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
         return tensors
     # quantize from the checkpoint's own precision, before anything rounds it to the model dtype; the embedding
     # table stays dense for lookups (a tied LM head is quantized from it after loading), and MoE routers stay
-    # float32 (worker/moe.py: routing is exact)
+    # float32 (worker/model/moe.py: routing is exact)
     return ((name, quantize_rtn(w, bits) if w.dim() == 2 and not _stays_dense(name) else w) for name, w in tensors)
 
 

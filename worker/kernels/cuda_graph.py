@@ -3,7 +3,7 @@
 A 135M model's step is ~400 kernel launches, so on a GPU it is bound by launches, not by its weights. Capturing
 the forward once per row-count bucket and replaying it costs one launch. Everything a replay reads lives in
 static buffers that each step fills in place: per row the token, its position, the cache slot it writes and the
-attention kernel's row record (sequence, causal limit, tree size, ancestor bitmask: worker/triton_attention.py);
+attention kernel's row record (sequence, causal limit, tree size, ancestor bitmask: worker/kernels/triton_attention.py);
 per sequence its block table.
 
 Because the Triton kernel reads each row's limits from memory, one graph serves decode rows and tree rows alike,
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, SeqSlice, slots_of
-from .triton_attention import MAX_TREE_NODES, PagedRows, row_records
+from worker.kernels.triton_attention import MAX_TREE_NODES, PagedRows, row_records
+from worker.model.attention import AttentionMetadata
+from worker.model.seq_slice import SeqSlice, slots_of
 
 
 def capture_sizes(max_rows: int) -> tuple[int, ...]:
