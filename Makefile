@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model kernels serve test lint bench llama-cpp bench-spec bench-quant bench-prefix clean
+.PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp bench-spec bench-quant bench-prefix gpu-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,19 +19,36 @@ setup: $(STAMP)
 model: setup
 	$(VENV)/bin/eaglegate fetch-model
 
-# The fused CPU kernels compile once per machine (about a minute; cached in .cache/, rebuilt when the source changes).
+# The fused CPU kernels compile once per machine (about a minute; cached in .cache/, rebuilt when the source changes);
+# under CI=true a failed build stops the run.
 kernels: setup
 	$(PY) -m worker.kernels.cpu
 
 serve: model kernels
 	$(VENV)/bin/eaglegate serve $(ARGS)
 
+# The whole suite (CPU only, at most 20 minutes on 2 cores). Tiers: tests/unit (no engine, seconds), tests/engine
+# (in-process engines), tests/server (real servers and clients), tests/kernels, tests/training.
 test: model kernels
 	bash scripts/test-deps.sh
 	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
+# The unit tier alone, for a fast loop (under 2 minutes).
+test-fast: model
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+PY_DIRS := server runtime worker speculative training tests bench scripts
+CPP := $(shell find worker -name '*.cpp' -o -name '*.h')
+
+fmt: setup
+	$(VENV)/bin/ruff check --fix -q $(PY_DIRS)
+	$(VENV)/bin/ruff format -q $(PY_DIRS)
+	$(VENV)/bin/clang-format -i $(CPP)
+
 lint: setup
-	$(VENV)/bin/ruff check server runtime worker speculative training tests bench scripts
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check -q $(PY_DIRS)
+	$(VENV)/bin/clang-format --dry-run --Werror $(CPP)
 
 bench: model
 	$(PY) bench/decode.py
@@ -49,7 +66,7 @@ llama-cpp: model
 bench-spec: llama-cpp
 	$(PY) bench/spec.py $(ARGS)
 
-# The quantized fast step (issue 12): kernel cost table, then none/int8/auto/default against llama.cpp.
+# The quantized fast step: kernel cost table, then none/int8/auto/default against llama.cpp.
 bench-quant: llama-cpp
 	$(PY) bench/kernels.py
 	$(PY) bench/quant.py $(ARGS)

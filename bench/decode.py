@@ -1,8 +1,8 @@
 """Decode throughput: eaglegate vs transformers `generate`, same model and dtype, measured in one run.
 
-    .venv/bin/python bench/decode.py [--dtype bfloat16] [--new-tokens 128]
+    .venv/bin/python bench/decode.py [--dtype bfloat16] [--new-tokens 128] [--concurrency 1,4,16]   (make bench)
 
-Prints tokens/s of each and the ratios (this machine is noisy: compare within one run only).
+Prints tokens/s of each and the ratios; writes no results file (machines drift: compare within one run only).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ prepacked) against groupwise int8 and int4 through `qlinear` (exact bfloat16 act
 head's shapes (fc over three fused layers, one decoder layer, the 8,192-row draft LM head). Copies of the weights are
 cycled so each forward reads them from memory, as it does after a target forward; kinds take turns per repetition.
 
-    .venv/bin/python bench/draft.py [--rows 1,4] [--reps 31]
+    .venv/bin/python bench/draft.py [--rows 1,4] [--reps 31] [--machine M]
 
-Writes bench/results/draft.json (medians in ms, with the command and commit).
+Writes bench/results/draft[-MACHINE].json (medians in ms, with the command and commit).
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 
 from worker.kernels.quant import int4_linear, pack, quantize_rtn
 
-OUT = Path(__file__).parent / "results"
 H, INTER, DRAFT_VOCAB = 576, 1536, 8192
 SHAPES = [(H, 3 * H), (H + 2 * 192, 2 * H), (H, H), (2 * INTER, H), (H, INTER), (DRAFT_VOCAB, H)]  # fc .. lm_head
 COPIES = 6
@@ -30,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--reps", type=int, default=31)
+    add_machine_option(ap)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     dense = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(COPIES)]
@@ -54,9 +53,8 @@ def main() -> None:
     mb = {"bfloat16 oneDNN": sum(n * k * 2 for n, k in SHAPES) / 1e6,
           "int8 qlinear": sum(w.nbytes for w in kinds["int8 qlinear"][0][0]) / 1e6,
           "int4 qlinear": sum(w.nbytes for w in kinds["int4 qlinear"][0][0]) / 1e6}
-    OUT.mkdir(exist_ok=True)
     out = provenance() | {"unit": "ms, median, all of one draft forward's linears", "weight MB": mb, "table": table}
-    (OUT / "draft.json").write_text(json.dumps(out, indent=1) + "\n")
+    result_path("draft", args.machine).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """GPU throughput: tokens/s eager against captured graphs, plain and with EAGLE, at concurrency 1, 16 and 64.
 
-    python bench/gpu.py --out bench/results/gpu.json        (scripts/device-check.sh runs it on the device)
+    python bench/gpu.py [--machine h100] [--out PATH]      (scripts/gpu-check.sh runs it after the `cuda` tests)
 
-Two targets:
-- **SmolLM2-135M's shape with random weights**, built here with transformers (30 layers, hidden 576, 9 heads, 3
-  KV heads, tied 49,152-token vocabulary). Plain decoding costs the same whatever the weights, so this measures
-  the step without carrying the 98 MB GGUF to the device. Its EAGLE run (the shipped head, which accepts nothing
-  on random weights) measures what verify trees cost on the GPU: the calibrated cost by rows, eager and captured.
+Writes bench/results/gpu[-MACHINE].json, or PATH. Two targets:
+- **SmolLM2-135M's shape with random weights**, built by this script with transformers (30 layers, hidden 576, 9 heads,
+  3 KV heads, tied 49,152-token vocabulary). Plain decoding costs the same whatever the weights, so this measures
+  the step on a host that has only the tokenizer, not the 98 MB GGUF. Its EAGLE run (the shipped head, which accepts
+  nothing on random weights) measures what verify trees cost on the GPU: the calibrated cost by rows, eager and
+  captured.
 - **The real SmolLM2-135M-Instruct GGUF** with the shipped EAGLE-3 head, when it is present (EAGLEGATE_HOME):
   plain and EAGLE tok/s on MT-bench first turns (or built-in prompts), and how many outputs are identical.
 Every request generates exactly --max-tokens tokens on the random model (ignore_eos); the real model stops at EOS.
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import provenance  # noqa: E402
+from provenance import add_machine_option, provenance, result_path  # noqa: E402
 
 from runtime.engine import Engine  # noqa: E402
 from speculative.defaults import default_spec_config  # noqa: E402
@@ -51,10 +52,11 @@ def smol_shaped_model(folder: Path) -> Path:
                                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
                                    bos_token_id=1, eos_token_id=2)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in (default_model_dir() / "tokenizer").iterdir():  # first: config.json, written last, marks a whole folder
+        (folder / f.name).write_bytes(f.read_bytes())
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-    for f in (default_model_dir() / "tokenizer").iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
     return folder
 
 
@@ -102,7 +104,8 @@ def run_target(model_path: str, prompts_of, concurrencies: list[int], params: Sa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu.json"))
+    p.add_argument("--out", default=None, help="results file (default: bench/results/gpu[-MACHINE].json)")
+    add_machine_option(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--work", default="/tmp/eaglegate-gpu-bench")
@@ -113,7 +116,7 @@ def main() -> int:
     random_model = smol_shaped_model(Path(args.work) / "smol-shaped")
     ids = [[(97 * i + 13 * j) % 49000 + 100 for j in range(64)] for i in range(8)]  # 64-token synthetic prompts
     fixed = SamplingParams(max_new_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    path = Path(args.out)
+    path = Path(args.out) if args.out else result_path("gpu", args.machine)
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after each target, so a failure later keeps what was measured

@@ -1,11 +1,13 @@
-"""A draft head's own acceptance, as `tests/test_shipped_head.py` measures it, for several heads in one run.
+"""A draft head's own acceptance, as `test_shipped_head.py` measures it, for several heads in one run.
 
 Float32 (deterministic), a fixed tree (5 steps, top-4, 12 tokens, every step drafted: no cost table, no context
-candidates), batch 1: the test's 4 questions x 64 tokens and 8 questions x 128 tokens. Compares heads (say, a new
-stage against the shipped one) on what the test floor reads, apart from the served benchmark's budget and context
-drafts.
+candidates), batch 1: the test's 4 questions x 64 tokens and 8 questions x 128 tokens. Compares heads (say, a newly
+trained one against the shipped one) on what the test's floor reads, apart from the served benchmark's budget and
+context drafts.
 
-    .venv/bin/python bench/head_accept.py [HEAD ...]   (default: the shipped head)
+    .venv/bin/python bench/head_accept.py [HEAD ...] [--machine M]   (default: the shipped head)
+
+Writes bench/results/head_accept[-MACHINE].json.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import json
 import sys
 from pathlib import Path
 
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# the test's questions and chat template, wherever the test tier keeps them
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS), *{str(p.parent) for p in TESTS.rglob("test_shipped_head.py")}]
 from conftest import chat  # noqa: E402
 from test_shipped_head import QUESTIONS  # noqa: E402
 
@@ -45,7 +49,7 @@ def fixed_tree(head: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("heads", nargs="*", default=[str(DEFAULT_HEAD)])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "head_accept.json"))
+    add_machine_option(ap)
     args = ap.parse_args()
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192)) as eng:
         prompts = {k: [eng.encode(chat(eng, q)) for q in qs] for k, (qs, _) in SETS.items()}
@@ -66,8 +70,8 @@ def main() -> None:
                           "identical": sum(a == b for a, b in zip(out, refs[k])), "of": len(out)}
         print(json.dumps(row), flush=True)
         results.append(row)
-    Path(args.out).write_text(json.dumps({**provenance(), "tree": "s5 k4 n12, float32, no context candidates",
-                                          "results": results}, indent=1) + "\n")
+    out = {**provenance(), "tree": "s5 k4 n12, float32, no context candidates", "results": results}
+    result_path("head_accept", args.machine).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ cycled so they are not cache-resident) per row count T, in groupwise int4 and in
 int4 kernel (int8 as two int4 planes), and oneDNN's prepacked bfloat16, plus the tied 49152-row LM head. Kernels
 take turns within each repetition, so the machine's drift falls on all of them alike.
 
-    .venv/bin/python bench/kernels.py [--rows 1,2,3,4,5,6,8,16,64] [--reps 7] [--name kernels]
+    .venv/bin/python bench/kernels.py [--rows 1,2,3,4,5,6,8,16,64] [--reps 7] [--machine epyc]
 
-Writes bench/results/<name>.json (medians in ms, with the command and commit).
+Writes bench/results/kernels[-MACHINE].json (medians in ms, with the command and commit).
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 
 from worker.kernels import cpu as cpu_kernels
 from worker.kernels.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn
 
-OUT = Path(__file__).parent / "results"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # qkv, o, gate_up, down
 
@@ -46,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,16,64")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--name", default="kernels", help="results file name (another machine's run beside this one's)")
+    add_machine_option(ap)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     dense = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
@@ -95,9 +93,8 @@ def main() -> None:
         row = {name: round(sorted(t)[len(t) // 2], 3 if "head" in name else 2) for name, t in times.items()}
         table[str(rows)] = row
         print(f"T={rows}: " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-    OUT.mkdir(exist_ok=True)
     result = provenance() | {"unit": "ms, median", "table": table}
-    path = OUT / f"{args.name}.json"
+    path = result_path("kernels", args.machine)
     path.write_text(json.dumps(result, indent=2))
     print(f"results in {path}")
 

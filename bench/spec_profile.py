@@ -3,7 +3,9 @@ decide), for one draft head on a few MT-bench first turns and several trees, aga
 
     .venv/bin/python bench/spec_profile.py [--draft HEAD] [--questions 5] [--max-tokens 96] 4,2,6 5,4,12 4,1,5
 
-The card's head comparisons use these defaults (MT-bench questions 2-6, 96 tokens, bfloat16).
+Batch 1, bfloat16, MT-bench questions 2 onwards; each tree's engine runs the served defaults (context drafts, the
+cost-aware budget) with that tree. It prints one line per tree and writes no results file: use it to choose a tree
+for a head or a machine, then bench/spec.py for the figures.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a decode (or verify) step's time goes, measured in place: the step with one kind of work removed at a time.
 
-    .venv/bin/python bench/step.py [--context 300] [--rows 1,2,3,6] [--rounds 20]
+    .venv/bin/python bench/step.py [--context 300] [--rows 1,2,3,6] [--rounds 20] [--machine M]
 
 A profiler's per-op figures are inflated by its own overhead and miss what small ops cost in place (cold caches
 after a large matmul, dispatch), so this times the whole target forward plus LM head (in process, no HTTP, the
@@ -8,10 +8,10 @@ served bfloat16/int4 weights; each layer one `decoder_layer` kernel call) agains
 called one by one from Python ("unfused"), and, unfused, with the RMSNorms made identities, with attention skipped
 (the rotary and cache write stay), or with every linear replaced by a lookup of its earlier output. Each difference
 from the unfused step is that work's cost inside a real step. It also times the step with the fused CPU kernels
-(worker/kernels/csrc/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`), and with the
-linears on torch's int4 kernel instead of `qlinear` (the same codes), and, where the CPU has AMX tiles, with `qlinear`
-on its dot-product path instead ("no AMX"). The variants are run round-robin so machine
-noise spreads over all of them. Writes bench/results/step.json.
+(worker/kernels/csrc/cpu_kernels.cpp) turned off, the eager torch ops they replace (the linears stay on `qlinear`),
+and with the linears on torch's int4 kernel instead of `qlinear` (the same codes), and, where the CPU has AMX tiles,
+with `qlinear` on its dot-product path instead ("no AMX"). The variants are run round-robin so machine noise spreads
+over all of them. Writes bench/results/step[-MACHINE].json.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from provenance import provenance
+from provenance import add_machine_option, provenance, result_path
 
 import worker.model.causal_lm as model
 import worker.model.layers as layers
@@ -34,8 +33,6 @@ from worker.kernels.quant import QBlocks, pack_int4
 from worker.model.files import fetch_default_model, resolve_model
 from worker.model.seq_slice import SeqSlice
 from worker.runner import ModelRunner
-
-OUT = Path(__file__).parent / "results"
 
 
 def _no_norm(self, x):
@@ -73,6 +70,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,6", help="query rows per step (1: decode; more: a verify tree)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    add_machine_option(ap)
     args = ap.parse_args()
     config = EngineConfig(dtype="bfloat16", max_total_tokens=4096)
     source = resolve_model(str(fetch_default_model(quiet=True)))
@@ -154,11 +152,11 @@ def main() -> None:
                                    "torch int4 step ms": torch_int4, "no AMX step ms": no_amx} | parts
                                   | {"rest ms": round(one_by_one - sum(parts.values()), 2)})
             print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
-    OUT.mkdir(exist_ok=True)
     out = provenance() | {"context": ctx, "unit": "ms, median; each part is the full step minus the step without it",
                           "rows": results}
-    (OUT / "step.json").write_text(json.dumps(out, indent=2))
-    print(f"results in {OUT / 'step.json'}")
+    path = result_path("step", args.machine)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"results in {path}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,8 @@
-"""Start-up agreement: before loading anything, every rank states what it is about to serve and the ranks compare.
+"""Start-up agreement: before loading, every rank states what it is about to serve and the ranks compare.
 
-A rank that loads another dtype, checkpoint, head, tokenizer or engine setting would either crash the first
-collective ("Received data size doesn't match") or, worse, serve wrong output in silence. Each rank contributes a
-fingerprint (resolved dtype, device type, collective backend, quantization, model config, tensor names and shapes,
-a checksum of the weight, head and tokenizer files, and every engine setting that changes control flow); every
-rank gathers all of them and, on any difference, raises the same StartupMismatchError naming each difference and
-the nodes that hold each value. Paths may differ between nodes; contents may not.
+A rank with another dtype, checkpoint, head or setting would crash the first collective or serve wrong output.
+Ranks gather each other's fingerprints (settings, shapes, file checksums); on any difference all raise the same
+StartupMismatchError naming it. Paths may differ, contents not.
 """
 
 from __future__ import annotations

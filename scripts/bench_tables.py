@@ -3,7 +3,8 @@
     .venv/bin/python scripts/bench_tables.py          rewrite the tables in README.md
     .venv/bin/python scripts/bench_tables.py --check  exit 1 when README.md is stale (tests/test_readme.py)
 
-Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, NAME being a results file's stem.
+Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, NAME being a results file's stem
+(`spec`, `spec-epyc`, ...): `<benchmark>[-<machine class>]`, drawn by the benchmark's table below.
 """
 
 from __future__ import annotations
@@ -159,21 +160,23 @@ def gpu_table(d: dict) -> str:
                 tau = f"{r['tau']:.2f}" if "tau" in r else ""
                 rows.append(f"| {model} | {mode} | {engine} | " + " | ".join(f"{r[c]['tok_s']:.0f}" for c in conc)
                             + f" | {same} | {tau} |")
-    missing = [f"{k}: {v}." for k, v in d.items() if isinstance(v, str) and v.startswith("not measured")]
+    missing = [f"{k}: not measured." for k, v in d.items() if isinstance(v, str) and v.startswith("not measured")]
     head = (f"`bench/gpu.py` on {d['device']}: {d['max_tokens']} new tokens per request, greedy, bfloat16; eager "
             "against captured graphs, plain against EAGLE (a draft tree on the GPU).")
     return "\n".join([head, "", *rows, "", *missing, *([""] if missing else []), _source(d)])
 
 
-TABLES = {"gpu": gpu_table, "kernels": kernels_table, "kernels_epyc": kernels_table, "spec": spec_table,
-          "spec_epyc": spec_table, "quant": quant_table, "prefix": prefix_table, "step": step_table}
+TABLES = {"gpu": gpu_table, "kernels": kernels_table, "spec": spec_table, "quant": quant_table,
+          "prefix": prefix_table, "step": step_table}  # by benchmark; every machine class's file uses its table
 
 
 def render(readme: str) -> str:
-    for name, fn in TABLES.items():
-        path = RESULTS / f"{name}.json"
-        pattern = re.compile(rf"(<!-- bench:{name} -->\n)(?:.*?\n)?(<!-- /bench:{name} -->)", re.S)
-        if path.exists() and pattern.search(readme):
+    for path in sorted(RESULTS.glob("*.json")):
+        name = path.stem
+        fn = TABLES.get(name.split("-", 1)[0])
+        pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /bench:{re.escape(name)} -->)",
+                             re.S)
+        if fn is not None and pattern.search(readme):
             table = fn(json.loads(path.read_text()))
             readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), readme)
     return readme

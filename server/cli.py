@@ -64,8 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
     p.add_argument("--speculative-disable-batch-size", type=int, default=None,
                    help="decode batches this large run without speculation (0: never; default: 9 for the "
-                        "default model's shipped head, lowered by rank 0 to the first batch size where its start-up "
-                        "timing finds a second verify row per sequence costing over 1.5x; else 0)")
+                        "default model's shipped head, lowered by rank 0 where its start-up timing finds a second "
+                        "verify row per sequence too dear, see SECOND_ROW_LIMIT; else 0)")
     p.add_argument("--speculative-context-tokens", type=int, default=8,
                    help="prompt-lookup candidates (tokens after an earlier match of the last n-gram) joined to "
                         "each verify tree; 0: off")
@@ -78,8 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "beside a quantized target, else dense (none)")
     p.add_argument("--speculative-corpus", default="auto",
                    help="candidates from a corpus of the target's own answers where the context has no better "
-                        "match: auto is the default model's distilled answers (speculative/answers/distilled*); PATH: a folder "
-                        "of answers-*.jsonl.gz in that format; off")
+                        "match: auto is the default model's distilled answers (speculative/answers/distilled*); "
+                        "PATH: a folder of answers-*.jsonl.gz in that format; off")
     p.add_argument(
         "--rank-consistency-check-interval",
         type=int,

@@ -1,9 +1,8 @@
 """OpenAI's Responses API, stateless: a request becomes a chat request, and its output becomes response items.
 
-Supported: string or message-item input (with function_call / function_call_output items), `instructions`,
-`max_output_tokens`, temperature/top_p, function tools with `tool_choice`, `text.format` (json_object,
-json_schema), and streaming with the standard event types. Nothing is stored, so `previous_response_id` and
-`background` are refused with a 400 that says so.
+Supports string or message-item input (with function-call items), `instructions`, `max_output_tokens`, sampling,
+function tools, `text.format` and streaming. Nothing is stored, so `previous_response_id` and `background` are
+refused with a 400 that says so.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Tool calls: rendering tools into the prompt, the grammar that forces a call, and parsing calls from output.
 
-Chat templates that know tools (they mention `tools`) render them themselves. Others, the default model's among
-them, get the built-in format: a system message lists the functions as JSON and asks for
-
-    <tool_call>{"name": "<function>", "arguments": {...}}</tool_call>
-
-and earlier calls and tool results in the history are rendered the same way. With `tool_choice` "required" or
-a named function, the output is constrained to one JSON call matching the tools' parameter schemas (a JSON
-array of one or more calls when `parallel_tool_calls` is set to true explicitly: a small model left to choose
-repeats its call until max_tokens), so even a 135M model returns a valid call. With "auto" the output
-is free and `<tool_call>` blocks in it become calls.
+Templates that know tools render them; others get a system message asking for `<tool_call>{json}</tool_call>`.
+"required" or a named function constrains output to one call matching the schemas (an array only with
+`parallel_tool_calls`: small models repeat calls); "auto" leaves it free.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Rank 0's cost-aware tree: how many candidates to verify, whether to draft at all, when to stop expanding.
 
-Each candidate carries an estimated probability of being accepted: the product along its path of each draft token's
-confidence, mapped through rank 0's running calibration (`Calibration`: EAGLE-2 takes a hard-label head's confidence as
-calibrated, but a head trained on soft labels is under-confident), or p_n^depth for a context candidate whose n-gram
-match has observed per-token acceptance p_n. A verify of r rows costs `verify(r)` seconds, measured on this machine at
-start-up for the step's batch size and context (`CostGrid`). Rank 0 verifies the prefix of the candidates, best first,
-that maximises expected tokens per second of the step; with none chosen, the step is a plain decode (the root alone).
-Every choice reaches the other ranks through the plan or the decision channel; nothing here runs on them.
+Each candidate has an estimated acceptance probability (calibrated draft confidence along its path, or p_n^depth for
+a chain); r verify rows cost `verify(r)` seconds, timed at start-up. Rank 0 verifies the best-first prefix that
+maximises expected tokens per second (none: a plain decode).
 """
 
 from __future__ import annotations
@@ -87,10 +83,9 @@ def timed_row(timed: dict[int, float], per_seq: tuple[int, ...]) -> tuple[float,
 
 @dataclass(frozen=True)
 class CostGrid:
-    """Verify seconds measured on this machine by context length, batch size and rows per sequence:
-    seconds[c][b][r] for contexts[c] tokens behind each of batches[b] sequences verifying per_seq[r] rows each.
-    Rows cost more in a wider batch (each sequence's attention, its KV reads), and more behind a longer context;
-    one sequence at a short context prices a batch of 8 at 300 tokens a third too cheap (bench/spec_batch.py)."""
+    """Verify seconds timed at start-up: seconds[c][b][r] for contexts[c] tokens behind each of batches[b]
+    sequences verifying per_seq[r] rows each. Rows cost more in a wider batch and behind a longer context, so one
+    sequence at a short context would price a batch of 8 at 300 tokens a third too cheap (bench/spec_batch.py)."""
 
     contexts: tuple[int, ...]
     batches: tuple[int, ...]
@@ -170,11 +165,9 @@ def _bin(p: float) -> int:
 
 @dataclass
 class Calibration:
-    """Rank 0's map from a draft token's confidence at a draft depth to the probability that the target accepts
-    it once its parent is accepted: per (depth, confidence bin), the draft's confidence times the observed ratio of
-    accepted to expected, shrunk toward 1 by a prior at the draft's own word, interpolated between bins. Each
-    verified EAGLE candidate whose parent the target accepted is one observation (the greedy walk's own comparisons;
-    no extra work on the logits). Siblings are exclusive events, so their prices are scaled to sum to at most 1."""
+    """Rank 0's map from a draft token's confidence at a depth to the probability that the target accepts it once
+    its parent is: per (depth, confidence bin), the observed accepted/expected ratio, shrunk toward 1 by a prior at
+    the draft's own word and interpolated between bins. Siblings are exclusive, so their prices sum to at most 1."""
 
     depths: int
     hits: list[list[float]] = field(init=False)  # [depth - 1][bin] accepted
@@ -217,8 +210,8 @@ class Calibration:
         return q.log().to(logp.dtype)
 
     def fade(self) -> None:
-        """Once a step: every cell's evidence weighs a little less, so a cell priced out of the tree (and so no
-        longer observed) drifts back to the draft's own word and is tried again."""
+        """Once a step: every cell's evidence weighs a little less, so a cell priced out of the tree (and so
+        unobserved) drifts back to the draft's own word and is tried again."""
         for table in (self.hits, self.trials, self.conf):
             for row in table:
                 for b in range(CALIBRATION_BINS):
@@ -248,19 +241,16 @@ class Calibration:
 
 @dataclass
 class Estimates:
-    """Rank 0's running figures: each kind of step's seconds besides its verify forward (by batch size), the
-    EAGLE drafting seconds, EAGLE tokens accepted per drafted sequence (by whether a chain was offered beside the
-    draft), what the draft's confidence is worth by depth
-    (`Calibration`), and the per-token acceptance of chain candidates by key: (CONTEXT, match length), or (CORPUS,
-    support bucket or minus a shorter match's length) (`SpecLeader.chain`; successes / trials, from a uniform prior)."""
+    """Rank 0's running figures: each kind of step's seconds besides its verify (by batch size), the drafting
+    seconds, EAGLE tokens accepted per drafted sequence, the draft confidence's worth (`Calibration`), and each
+    chain key's per-token acceptance: (CONTEXT, match length) or (CORPUS, support bucket or minus a match length)."""
 
     eagle_prior: float  # optimistic: every draft accepted, so drafting is tried until measured
     calibration: Calibration = field(default_factory=lambda: Calibration(1))
     # EAGLE tokens accepted per drafted sequence that verified a draft-only token (what a verified draft row earns,
-    # as the guessed candidates of plan_step price it), by whether a free chain was offered beside the draft. Beside
-    # one, only draft tokens the chain did not also propose count: a token both propose costs no extra row, and the
-    # chain alone would have found it. Counting those too, rank 0 drafted beside chains where the draft added
-    # little (40 MT-bench questions on a 2-core EPYC: 1,372 drafted steps against 278, at 0.97x the speed)
+    # as plan_step's guessed candidates price it), by whether a free chain was offered beside the draft. Beside one,
+    # only draft tokens the chain did not also propose count: a shared token costs no extra row, and counting it
+    # would have rank 0 draft beside chains where the draft adds little
     eagle_gain: dict[bool, float] = field(default_factory=dict)
     # (DRAFT | CONTEXT | PLAIN, batch): the last OVERHEAD_WINDOW measurements, whose median prices the kind
     overhead: dict[tuple[str, int], list[float]] = field(default_factory=dict)
@@ -307,10 +297,9 @@ class Estimates:
             self.eagle_gain[chain] += EMA * (a - self.eagle_gain[chain])
 
     def stale(self, batch: int) -> list[str]:
-        """The speculative kinds not run at this batch size for their probe interval: measured only when chosen, a
-        kind priced out by a slow spell (a page fault, a noisy neighbour) is run once more to be measured again.
-        Nudging the figures of passed-over kinds toward optimistic instead held them far below the truth (a batch
-        of 16 priced its draft overhead at 4 ms against 18 ms measured, and drafted at 0.86x plain)."""
+        """The speculative kinds not run at this batch size for their probe interval. A kind is measured only when
+        chosen, so one priced out by a slow step (a page fault, a noisy neighbour) is run once more to be re-measured;
+        its figures are not nudged toward optimistic, which would hold them far below the truth."""
         kinds = (DRAFT, CONTEXT_ONLY)
         if self.frozen is not None:  # a cost-table file's overheads are not measured; the EAGLE acceptance is, once
             # drafting has found it lower (beside a chain or without one: the probe drafts for both alike)
@@ -320,12 +309,9 @@ class Estimates:
                 if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)]
 
     def chose(self, kind: str, batch: int) -> None:
-        """After rank 0 picks `kind`: the step clock; a kind run after its probe interval waits twice as long for
-        the next probe (a wide batch's draft probe costs two plain steps, its draft catching up on every token
-        since the last), one run sooner is back to PROBE_AFTER. The probes also re-measure the EAGLE acceptance (a
-        hard stretch of text does not end drafting for good). It no longer drifts back to the optimistic prior
-        while drafting is passed over: that had rank 0 draft every few steps wherever the measured acceptance did
-        not pay, whatever the probes' back-off (tests/test_spec_budget.py)."""
+        """After rank 0 picks `kind`: advance the step clock. A kind run after its probe interval waits twice as long
+        for the next probe (a wide batch's draft probe costs about two plain steps), one run sooner is back to
+        PROBE_AFTER. The EAGLE acceptance is re-measured by the probes alone; it does not drift back to the prior."""
         now, key = self.steps.get(batch, 0), (kind, batch)
         if kind != PLAIN:
             wait = self.probe_after.get(key, PROBE_AFTER)

@@ -1,13 +1,7 @@
 """Free drafts from a corpus of the target's own answers (static suffix decoding): where the sequence's last tokens
-occurred in what the target answered before, the tokens it went on with. A small model answers in set phrases
-(list openings, closing courtesies, markdown), so its distilled answers predict where its own context has no match.
-
-The index maps every KEY-token window of the corpus, packed exactly into one uint64 (newest token in the highest
-bits, so the windows ending in any shorter suffix form one range), to the windows' end positions, sorted. A lookup
-finds the windows ending in the sequence's last KEY tokens and extends the match backward while any survive, or,
-where none occurs, those ending in its last 3, 2 or 1 tokens; then it follows the surviving occurrences forward, one
-majority token at a time. Rank 0 alone looks up; the chain reaches the other ranks in the step plan, as a context
-chain does.
+occur in what the target answered before, the tokens it went on with. A small model answers in set phrases, so its
+distilled answers predict where its own context has no match. Rank 0 alone looks up; the chain reaches the other
+ranks in the step plan, as a context chain does.
 """
 
 from __future__ import annotations
@@ -70,6 +64,10 @@ def read_all_answers(turn: int = 1) -> dict[int, list[int]]:
 
 
 class Corpus:
+    """The answers' key_len-token windows, sorted by a packed uint64 key, with their end positions. A lookup takes
+    the longest suffix that occurs (key_len tokens, else fewer), extends it backward while occurrences survive, then
+    follows them forward one majority token at a time."""
+
     def __init__(self, answers: Iterable[list[int]]):
         parts = [np.full(MAX_MATCH, PAD, dtype=np.int32)]
         for ids in answers:
@@ -79,11 +77,14 @@ class Corpus:
         top = int(self.tokens.max(initial=0))
         self.bits = max(16, top.bit_length())
         self.key_len = 64 // self.bits  # 4 tokens below 65,536 ids, 3 below 2**21
+        # newest token in the highest bits, so the windows ending in any shorter suffix form one sorted range: with
+        # 16-bit ids (key_len 4) the window a b c d has key d<<48 | c<<32 | b<<16 | a, and the windows ending in
+        # "c d" are the keys in [(d<<16 | c) << 32, ((d<<16 | c) + 1) << 32)   (`_range`)
         t = self.tokens.astype(np.uint64)
         ends = np.arange(self.key_len - 1 + MAX_MATCH, len(t) - 1)
         keys = np.zeros(len(ends), dtype=np.uint64)
         valid = np.ones(len(ends), dtype=bool)
-        for i in range(self.key_len):  # newest token in the highest bits
+        for i in range(self.key_len):  # i = 0, the newest token, ends up in the highest bits
             valid &= self.tokens[ends - i] >= 0
             keys = (keys << np.uint64(self.bits)) | t[ends - i]
         valid &= self.tokens[ends + 1] >= 0  # a window must be followed by a token
@@ -120,9 +121,8 @@ class Corpus:
 
     def draft(self, tokens: list[int], max_tokens: int) -> tuple[list[int], int, int]:
         """(continuation, support, match): up to `max_tokens` majority tokens after the occurrences of the longest
-        suffix of `tokens` found in the corpus, how many occurrences agree on its first token, and the suffix's length
-        (up to MAX_MATCH); ([], 0, 0) when there is none. A suffix shorter than the key offers its first token where
-        at least SHORT_SHARE of up to SHORT_SAMPLE occurrences agree, every later token at MIN_SHARE."""
+        suffix of `tokens` in the corpus, how many occurrences agree on its first token, and the suffix's length (up
+        to MAX_MATCH); ([], 0, 0) when none occurs. Shorter-than-key suffixes use SHORT_SHARE for the first token."""
         k = self.key_len
         if max_tokens < 1:
             return [], 0, 0

@@ -1,11 +1,8 @@
 """The decisions of one speculative step, made on rank 0 and applied by every rank.
 
 `DecisionChannel.sync` is the only way a decision crosses ranks: every rank calls it for every decision in the same
-order (the step code is one function that all ranks run), rank 0 computes the value and the others receive it. So
-the sequence of collectives cannot drift between rank 0 and the followers. `SpecDecisions` holds what rank 0 alone
-knows (draft scores, sampling state, the cost model); on the other ranks its decide functions are never called.
-With --debug-skip-decision-broadcast (tests only) the verify decision is taken by each rank from its own logits,
-reproducing the upstream hang class; the divergence guard then reports it.
+order and rank 0 supplies the value, so the collectives cannot drift. `SpecDecisions` holds what rank 0 alone knows
+(draft scores, sampling state, the cost model).
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ from worker.config import DEFAULT_MODEL, SpecConfig
 
 DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 # the shipped head is EAGLE-3 (see its card). On the default int4 weights a one-token draft (s1 k1 n2) is the fastest
-# tree on the 2-core CPU: a 2-row verify costs about one decode step, while each further row costs verify and
-# drafting time that the head's few accepted tokens do not repay (README, "Benchmarks"; bench/spec_profile.py)
+# tree on CPU: a 2-row verify costs about one decode step, while each further row costs verify and drafting time
+# that the head's few accepted tokens do not repay (docs/speculation.md; bench/spec_profile.py)
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 1, 1, 2
 # decode batches of 9+ decode plainly: with rank 0's budget on at every size, N clients in a closed loop on real
-# answers measured 1.22x plain at 4, 1.13x at 8 and 0.92x at 16 on a 2-core Xeon with AMX (bench/spec_batch.py,
-# README). Rank 0 lowers it where its start-up timing finds verify rows dearer (speculative/worker.py: batch_limit)
+# answers ran 1.22x plain at 4, 1.13x at 8 and 0.92x at 16 on CPUs with AMX (bench/spec_batch.py). Rank 0 lowers it
+# where its start-up timing finds verify rows dearer (SECOND_ROW_LIMIT in speculative/worker.py)
 DEFAULT_DISABLE_BATCH_SIZE = 9
 
 

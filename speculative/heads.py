@@ -1,9 +1,8 @@
-"""EAGLE draft heads: EAGLE-1/2 (fc over [token embedding; target feature] + one decoder layer + the target's
-LM head) and EAGLE-3 (three fused target layers, a 2h-input layer, its own reduced-vocabulary LM head with d2t).
+"""EAGLE draft heads: EAGLE-1/2 (fc over [token embedding; target feature], one decoder layer, the target's LM
+head) and EAGLE-3 (three fused target layers, a 2h-input layer, its own reduced-vocabulary LM head with d2t).
 
-Loads SafeAILab EAGLE checkpoints (config.json + pytorch_model.bin or model.safetensors), EAGLE-3 checkpoints
-(model.safetensors with midlayer.*, fc, norm, lm_head, d2t) and eaglegate's own (the EAGLE layout). The layer
-is sharded across TP ranks exactly like the target's layers.
+Loads SafeAILab EAGLE and EAGLE-3 checkpoints and eaglegate's own (the EAGLE layout); the layer is sharded across
+TP ranks exactly like the target's.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Tree verification: greedy (longest path matching the target's argmax) and lossless rejection sampling.
 
-Draft tokens are the draft's top-k (not sampled), so sampling verification treats each candidate as a point
-mass: at a node, candidate x is accepted with probability p(x) under the target's (filtered) distribution;
-on rejection x's mass is removed and p renormalised before the next sibling; when every child is rejected the
-bonus token is drawn from what remains. The emitted token is then distributed exactly as p: lossless.
-`threshold_single` / `threshold_acc` (SGLang's names) relax this when below 1.0; at 1.0 it is exact.
+Draft tokens are top-k, not sampled, so each candidate is a point mass, accepted with probability p(x) under the
+target; a rejected x's mass is removed and p renormalised for the next sibling; the bonus token is drawn from the
+rest. `threshold_single` / `threshold_acc` below 1.0 relax this.
 """
 
 from __future__ import annotations

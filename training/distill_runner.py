@@ -1,13 +1,8 @@
-"""Self-distillation on one device without the serving stack: greedy answers decoded in a continuous batch straight
-through the model runner (the engine's own forward and paged KV cache, one process, no scheduler or worker
-processes). It is what `scripts/device-train.sh` runs on a GPU, where every remaining ShareGPT first turn takes
-minutes rather than the CPU's hours; nothing from ShareGPT travels but token ids.
+"""Self-distillation on one GPU without the serving stack: greedy answers batched straight through the model runner.
+Its own batcher, not worker/scheduler.py: each row reserves its blocks up front, so nothing preempts.
 
-    python -m training.distill_runner --export-prompts prompts.pt            (here: the prompts still unanswered)
+    python -m training.distill_runner --export-prompts prompts.pt
     python -m training.distill_runner --prompts prompts.pt --out answers.jsonl.gz [--device cuda] [--seconds S]
-
-The answers are JSON lines `{"i": conversation index, "ids": [...]}` like `eaglegate distill`'s, and may also be
-saved as training examples (`--examples-out`, the format of `train-draft --export-examples`).
 """
 
 from __future__ import annotations

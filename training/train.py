@@ -1,13 +1,9 @@
-"""`eaglegate train-draft`: self-distil an EAGLE head for a target model on this machine.
+"""`eaglegate train-draft`: self-distil an EAGLE head for a target model.
 
-1. Data (train_data.py): the target answers a prompt corpus through the engine (batched, greedy) and/or reads
-   ShareGPT conversations; one teacher-forced pass records features and the target's greedy next tokens (labels).
-2. The head (train_model.py: EAGLE-1/2 or EAGLE-3 layout) is trained with training-time test (TTT): step d feeds
-   the head its own step d-1 prediction. Loss per step: w * cross-entropy on the target's greedy token over the
-   draft vocabulary (the K most frequent labels: FR-Spec) + SmoothL1 on features (EAGLE-1/2 only), step d
-   weighted 0.8^d, only where the prediction lands in assistant text. AdamW, betas (0.9, 0.95), grad clip 0.5,
-   uniform feature noise (EAGLE's recipe).
-3. Saves the head (config.json + model.safetensors + README.md card); resumable from checkpoint.pt.
+1. Data (train_data.py): one teacher-forced pass records the target's features and greedy next tokens.
+2. Training (train_model.py) with training-time test: step d feeds the head its own step d-1 prediction; loss
+   weighted 0.8^d, on assistant text only.
+3. Saves the head and its README.md card; resumes from checkpoint.pt.
 """
 
 from __future__ import annotations
@@ -42,8 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
     p.add_argument("--distilled", action="store_true",
-                   help="train on the committed answers of `eaglegate distill` (speculative/answers/distilled/) instead of "
-                        "generating --num-prompts answers")
+                   help="train on the committed answers of `eaglegate distill` (speculative/answers/distilled/) "
+                        "instead of generating --num-prompts answers")
     p.add_argument("--conversations", type=int, default=0,
                    help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)")
     p.add_argument("--init-from", default=None, help="warm-start from this eaglegate head folder (same --kind)")
@@ -76,10 +72,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--export-examples", default=None,
                    help="save the examples (token ids and assistant spans, no text) to this file and stop")
     p.add_argument("--bf16-autocast", action="store_true",
-                   help="matmuls in bfloat16 under autocast (weights and optimizer stay float32): 1.35x faster steps "
-                        "on this AVX512-BF16 CPU, measured side by side")
+                   help="matmuls in bfloat16 under autocast (weights and optimizer stay float32): about 1.35x "
+                        "faster steps on CPUs with AVX512-BF16")
     p.add_argument("--max-seconds", type=float, default=0,
-                   help="stop training after this long and save the head (0: no limit): a device run's time box")
+                   help="stop training after this many seconds and save the head (0: no limit)")
     p.add_argument("--record-tokens", type=int, default=0,
                    help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else "
                         "--max-len)")

@@ -90,8 +90,8 @@ def distilled_prompts(tok, wanted: list[tuple[int, int]]) -> dict[tuple[int, int
 
 
 def distilled_examples(args) -> list[Example]:
-    """The committed answers of `eaglegate distill` and of the GPU (speculative/answers/distilled*/), first and second turns,
-    each after its ShareGPT prompt rendered with the chat template."""
+    """The committed answers of `eaglegate distill` and of the GPU runner (speculative/answers/distilled*/), first
+    and second turns, each after its ShareGPT prompt rendered with the chat template."""
     from worker.model.tokenizer import load_tokenizer
 
 
@@ -138,8 +138,8 @@ def build_examples(args, out: Path) -> tuple[list[Example], int]:
 
 
 def export_examples(args, out: Path, path: Path) -> None:
-    """Token ids and assistant spans only (int32, ~4 MB per million tokens, no text): what a machine without the
-    ShareGPT package needs to record features and train (scripts/device-train.sh)."""
+    """Token ids and assistant spans only (int32, ~4 MB per million tokens, no text): what a host without the
+    ShareGPT package needs to record features and train (`--examples`)."""
     examples, num_answers = build_examples(args, out)
     torch.save({"examples": [(torch.tensor(ids, dtype=torch.int32), spans) for ids, spans in examples],
                 "answers": num_answers}, path)
@@ -153,10 +153,9 @@ SOFT_LISTS = ("soft_ids", "soft_p")
 
 def collect(args, out: Path) -> dict:
     """Examples -> one teacher-forced target pass, recorded in parts under out/features/ (unless --no-data-cache)
-    and read back mapped: the features (12 GB for 3.4M tokens) stay in the page cache, which the kernel can drop,
-    instead of anonymous memory that a 24 GB machine runs out of while training allocates. A finished recording is
-    used as it is (a later stage may reuse it with another seed); an interrupted one resumes after its last whole
-    part, once its examples and settings are checked to be the same. A data.pt from before the parts is read too."""
+    and read back memory-mapped, so the features (12 GB for 3.4M tokens) live in the page cache. A finished
+    recording is used as it is; an interrupted one resumes after its last whole part once its examples and settings
+    match. A single-file out/data.pt is read instead."""
     legacy = out / "data.pt"
     if legacy.exists():
         return torch.load(legacy, weights_only=False, mmap=True)

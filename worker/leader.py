@@ -31,7 +31,7 @@ from worker.scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
 from worker.stats import EngineSnapshot, StepMetrics
 
 # a report carries rank 0's stats snapshot at most this often while steps run (and always with a finished request or
-# outside a step): building, pickling and sending it every step cost 2.5% of plain decode's speed on a 2-core CPU
+# outside a step), in seconds: building, pickling and sending it every step costs 2.5% of plain decode's speed on CPU
 SNAPSHOT_INTERVAL_S = 0.05
 
 

@@ -1,15 +1,8 @@
 """Rank 0's prefix cache: a radix tree over full KV blocks (SGLang's RadixAttention, page-granular).
 
-Each node is one block of `block_size` tokens whose target KV, EAGLE features and (where marked) draft KV are
-valid for the exact token prefix on the path from the root. A sequence pins the nodes it uses; unpinned leaves
-are evicted least recently used when the pool runs short. Only rank 0 keeps the tree: a hit changes a
-sequence's block table and cached length, which reach the other ranks in the step plan like any other block
-table, so followers need no tree of their own.
-
-A hit shares every matched block but the last, which is recomputed into a private block: the draft's KV at a
-block's last position depends on the next token, and recomputing one block keeps every shared block read-only.
-Plain engines recompute it too, so plain and EAGLE engines split a prompt alike: bfloat16 rounds a short uncached
-tail (attended row by row) differently from a long one (SDPA), and speculative output must equal plain output.
+A node is one block whose target KV, EAGLE features and (where marked) draft KV are valid for the prefix on its
+path. Sequences pin the nodes they use; unpinned leaves are evicted least recently used. Followers keep no tree:
+a hit changes a block table, which reaches them in the step plan.
 """
 
 from __future__ import annotations
@@ -50,8 +43,10 @@ class PrefixCache:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def match(self, tokens: list[int]) -> list[Node]:
-        """The blocks a new sequence shares: the longest cached chain that prefixes `tokens` (leaving at least one
-        token to compute), less its last block, which is recomputed (see the module docstring)."""
+        """The blocks a new sequence shares: the longest cached chain prefixing `tokens` (leaving a token to
+        compute), less its last block, which is recomputed because the draft's KV at its last position depends on
+        the next token. Plain engines recompute it too, so both split a prompt alike (bfloat16 rounds a short tail
+        differently from a long one)."""
         node, chain = self.root, []
         for i in range((len(tokens) - 1) // self.block_size):
             node = node.children.get(self._key(tokens, i))
@@ -78,9 +73,8 @@ class PrefixCache:
     def insert(self, tokens: list[int], blocks: list[int], chain: list[Node], num_valid: int,
                draft_valid: int) -> list[tuple[int, Node]]:
         """Extend `chain` (pinned, covering blocks[:len(chain)]) with the sequence's further full blocks, pinning
-        each node it joins. A block whose tokens are new becomes a node the tree owns. A block whose tokens
-        another sequence cached meanwhile (both prefilled the same prefix at once) is a duplicate: returned as
-        (index, node) so the caller swaps in the node's block and frees its own."""
+        each node it joins; new blocks become nodes the tree owns. A block another sequence cached meanwhile (same
+        prefix prefilled at once) is returned as (index, node): the caller swaps in the node's block."""
         duplicates = []
         parent = chain[-1] if chain else self.root
         now = next(self.clock)

@@ -1,9 +1,8 @@
 """Rank 0's continuous-batching scheduler over a paged KV pool.
 
-A sequence is its token list plus how many of those tokens have KV in the cache. Each step feeds every
-running sequence its uncached tokens (one for a decode, a chunk for a prefill) within a token budget, so
-prefill, chunked prefill, decode and recompute-after-preemption are one code path. Only rank 0 runs this;
-the other ranks execute the plans it broadcasts and never hold scheduling state of their own.
+A sequence is its tokens plus how many have KV in the cache. Each step feeds every running sequence its uncached
+tokens (one for a decode, a chunk for a prefill) within a token budget, so prefill, chunked prefill, decode and
+recompute-after-preemption are one code path. Followers only execute the plans rank 0 broadcasts.
 """
 
 from __future__ import annotations

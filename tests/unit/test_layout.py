@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +47,6 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 def import_cycles() -> list[list[str]]:
     modules = _modules()
     graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
-    # a package's __init__ is imported with any of its modules; an edge to a module implies one to its packages
     cycles, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
@@ -75,8 +76,8 @@ def test_the_cycle_finder_sees_a_function_local_circle(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from server.b import g\n")
     (pkg / "b.py").write_text("def g():\n    from server.a import f\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    monkeypatch.setattr(__import__(__name__), "PACKAGES", ("server",))
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("server",))
     assert import_cycles() == [["server.a", "server.b", "server.a"]]
 
 
@@ -84,3 +85,14 @@ def test_one_free_port_helper_in_the_tree():
     defs = [p for pkg in (*PACKAGES, "tests", "bench", "scripts") for p in (ROOT / pkg).rglob("*.py")
             if re.search(r"\.bind\(\(", p.read_text())]
     assert [p.relative_to(ROOT).as_posix() for p in defs] == ["worker/dist.py"]
+
+
+def test_the_tree_is_linted_and_formatted():
+    """`make lint` as a test, so CI holds the tree to one formatter: ruff for Python, clang-format for the C++."""
+    bin_dir = Path(sys.executable).parent
+    dirs = [*PACKAGES, "tests", "bench", "scripts"]
+    sources = [str(p) for p in (ROOT / "worker").rglob("*.cpp")]
+    for cmd in ([bin_dir / "ruff", "check", "-q", *dirs], [bin_dir / "ruff", "format", "--check", "-q", *dirs],
+                [bin_dir / "clang-format", "--dry-run", "--Werror", *sources]):
+        r = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(map(str, cmd[:2]))} (make fmt fixes it):\n{r.stdout}{r.stderr}"[:3000]

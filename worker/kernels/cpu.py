@@ -1,8 +1,8 @@
 """The fused CPU kernels of cpu_kernels.cpp, compiled once per machine (about 40 s, then cached in .cache/).
 
-`ops(device)` gives the compiled module where it applies (CPU tensors) and None elsewhere, or when the build failed
-(a warning says why; the eager torch path then runs) or `EAGLEGATE_CPU_KERNELS=0` turns it off. A process decides
-once, so every step of an engine takes the same path and speculative output stays equal to plain output.
+`ops(device)` gives the compiled module for CPU tensors; None elsewhere, after a failed build (with a warning; the
+eager torch path runs) or with `EAGLEGATE_CPU_KERNELS=0`. A process decides once, so every step takes the same path
+and speculative output stays equal to plain output.
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ def _load() -> None:
         _tried = True
 
 
-if __name__ == "__main__":  # `python -m worker.kernels.cpu` (make serve/test): build ahead; a failure is not fatal
+if __name__ == "__main__":  # `python -m worker.kernels.cpu` (make serve/test): build ahead
+    # a failed build leaves serving on the eager path, but under CI=true it is an error: a green run has tested them
     logging.basicConfig(level=logging.WARNING)
     _load()
-    print(f"fused CPU kernels built in {build_dir()}" if _module is not None else
-          "fused CPU kernels not built: the eager torch path will run")
+    if _module is None:
+        print("fused CPU kernels not built: the eager torch path will run")
+        raise SystemExit(1 if os.environ.get("CI") == "true" else 0)
+    print(f"fused CPU kernels built in {build_dir()}")

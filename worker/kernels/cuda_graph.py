@@ -1,20 +1,8 @@
-"""Graph capture of the target forward for short steps (decode rows and EAGLE verify trees) on CUDA and HIP.
+"""CUDA/HIP graphs of the target forward for short steps (decode rows and EAGLE verify trees).
 
-A 135M model's step is ~400 kernel launches, so on a GPU it is bound by launches, not by its weights. Capturing
-the forward once per row-count bucket and replaying it costs one launch. Everything a replay reads lives in
-static buffers that each step fills in place: per row the token, its position, the cache slot it writes and the
-attention kernel's row record (sequence, causal limit, tree size, ancestor bitmask: worker/kernels/triton_attention.py);
-per sequence its block table.
-
-Because the Triton kernel reads each row's limits from memory, one graph serves decode rows and tree rows alike,
-with no bucket per tree shape. A step of n rows replays the smallest bucket >= n; the rows past n are padding
-that writes and reads one scratch KV slot no sequence owns, so nothing a real row sees changes. Whether a step
-replays depends on its plan alone (rows, sequences, table widths, tree sizes), which every rank holds, so all
-ranks replay or all run eagerly and their collectives pair up. Rank 0's decisions are untouched: the graph only
-computes hidden states for the broadcast plan; the LM head, sampling and verification run after it.
-
-On CPU (tests) the same buffers, padding and bucket choice run without capture (`capture=False`), so the whole
-path except the CUDA graph object itself is checked in CI with Triton's interpreter.
+A small model's step is launch-bound on a GPU; one graph per row-count bucket replays it as one launch, for decode
+and tree rows alike (row limits live in static buffers). Whether a step replays depends
+on its plan alone, so all ranks replay or none do. On CPU (tests) the same path runs uncaptured.
 """
 
 from __future__ import annotations
@@ -62,8 +50,9 @@ def step_rows(ids: list[int], positions: list[int], slices: list[SeqSlice], bloc
 
 
 class StaticBuffers:
-    """Device tensors sized for the largest bucket. Row `max_seqs` of the block table belongs to padding rows and
-    names only the scratch block."""
+    """Device tensors sized for the largest bucket, filled in place each step: per row the token, position, cache
+    slot and Triton row record; per sequence its block table. Rows past the step's n (up to the smallest bucket >=
+    n) are padding, of sequence `max_seqs`, whose table names only the scratch block no sequence owns."""
 
     def __init__(self, max_rows: int, max_seqs: int, max_blocks: int, scratch_block: int, block_size: int,
                  device: torch.device):
@@ -129,14 +118,9 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Largest bucket first, into one memory pool, so smaller graphs reuse the largest one's workspace. Each
-        is run twice eagerly first (Triton compiles, cuBLAS picks kernels, NCCL sets up its channels); the buffers
-        hold padding only, which touches the scratch block alone.
-
-        Captured at the first replayed step, not at load: speculative decoding chooses which layers' hidden
-        states the forward returns (EAGLE-3's aux layers) after the model is built, and a graph returns what it
-        returned when captured. Every rank reaches its first step with the same plan, so all capture together;
-        a change of aux layers captures again."""
+        """Largest bucket first, into one memory pool, so smaller graphs reuse its workspace; each runs twice
+        eagerly first (Triton compiles, cuBLAS picks kernels). Captured at the first replayed step, not at load: a
+        graph returns the hidden states it returned when captured, and EAGLE-3's aux layers are set after load."""
         self.graphs.clear()
         self.outputs.clear()
         pool = torch.cuda.graph_pool_handle()

@@ -1,18 +1,8 @@
-"""Groupwise weight quantization: GGUF blocks kept as they are, round-to-nearest for dense checkpoints, and the CPU
-kernels that run them: our own `qlinear` (worker/kernels/csrc/cpu_kernels.cpp) where it is built, else torch's
-`aten._weight_int4pack_mm_for_cpu`.
+"""Groupwise weight quantization (GGUF blocks kept as they are, round-to-nearest for dense checkpoints) and the CPU
+kernels that run it: `qlinear` (csrc/cpu_kernels.cpp) where built, else torch's int4 kernel.
 
-A quantized weight travels through loading as a `QTensor` (codes, per-group scale and offset), so every rank
-slices it exactly as it slices a dense weight. After loading, `pack` turns it into a kernel's layout.
-
-Why `qlinear`: it keeps 4- and 8-bit codes as they are with float16 scales (GGUF's own, so exact), turns a group's
-codes into bfloat16 once and multiplies them into every row with AVX512-BF16 dot products, so each verify row adds
-little, where torch's kernel dequantizes again per block of rows (bench/kernels.py, `bench/results/kernels.json`).
-
-Torch's kernel, the fallback, runs 8-bit codes as two 4-bit planes side by side (q = 16*hi + lo) and takes bfloat16
-scales, so a GGUF's fp16 scales lose 3 of their 11 significant bits there. Both kernels compute every row on its
-own, in one fixed order, so a row's result does not depend on how many rows run with it: verify (T = tree size) and
-decode (T = 1) give the same bits, which keeps speculation lossless in bfloat16.
+A weight loads as a `QTensor`, sliced by every rank like a dense weight; `pack` makes a kernel's layout. Each row
+runs alone in a fixed order, so verify and decode rows get the same bits.
 """
 
 from __future__ import annotations
@@ -129,7 +119,8 @@ def gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QTen
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """A weight in the CPU int4 kernel's layout: `planes` 4-bit planes side by side along K."""
+    """A weight in torch's CPU int4 kernel's layout (the fallback): `planes` 4-bit planes side by side along K
+    (8-bit codes as q = 16*hi + lo), with scales in the activation dtype, so float16 GGUF scales lose 3 bits."""
 
     packed: torch.Tensor  # uint8, the kernel's own layout
     scale_zero: torch.Tensor  # [planes * K / GROUP, N, 2] in the activation dtype

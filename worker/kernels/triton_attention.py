@@ -1,11 +1,7 @@
-"""Paged attention in Triton for GPUs (NVIDIA and ROCm alike): decode, chunked prefill/extend and EAGLE tree
-verification in one kernel that reads K/V straight from the block table.
-
-One program per (query row, KV head) walks the row's keys block by block with an online softmax. A row sees
-the keys at positions below its causal limit; a tree row (EAGLE verify) sees its context plus the tree nodes
-its ancestor bitmask names (nodes sit at consecutive positions after the context, as the verify step writes
-them). Each row's result depends only on its own keys, as on the reference path. Tested on CPU with Triton's
-interpreter (TRITON_INTERPRET=1) against `worker/model/attention.py`, which stays the CPU default and the oracle.
+"""Paged attention in Triton for GPUs (NVIDIA and ROCm): decode, chunked prefill and EAGLE tree verification in one
+kernel that reads K/V straight from the block table, one program per (query row, KV head) with an online softmax.
+Each row's result depends only on its own keys. Tested on CPU under TRITON_INTERPRET=1 against the reference path
+(worker/model/attention.py).
 """
 
 from __future__ import annotations
@@ -32,7 +28,10 @@ class PagedRows:
 
 
 def row_records(seqs: list[SeqSlice]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Each query row's (sequence, causal limit, tree size, ancestor bitmask), in row order."""
+    """Each query row's (sequence, causal limit, tree size, ancestor bitmask), in row order. Tree nodes sit at
+    consecutive positions after the context; a tree row sees the context and the nodes its bitmask names."""
+    # e.g. 10 cached tokens, verify tree root r (node 0, position 10), its children a (1) and b (2), a's child c (3):
+    # c's row has limit 10, tree size 4 and mask 0b1011 (r, a, c), so it reads positions 0-9, 10, 11 and 13
     seq, limit, tree_len, tree_mask = [], [], [], []
     for b, s in enumerate(seqs):
         for i in range(s.q_len):

@@ -1,12 +1,8 @@
-"""Paged KV cache and masked attention over a ragged batch.
+"""Paged KV cache and masked attention over a ragged batch: `attend(q, k, v, cache, meta)`.
 
-On CPU the attention arithmetic is float32 whatever the model dtype (the CPU's bfloat16 SDPA kernel is 4-5x slower
-than float32 for decode). The cache holds bfloat16 for bfloat16 models where the fused kernels run (the rotary is
-done in float32 and rounded once on the write; half the bytes to gather per step), float32 elsewhere.
-
-The seam where fused kernels would plug in: `attend(q, k, v, cache, meta)`. Short steps (decode, EAGLE tree
-verification) attend row by row over gathered keys; long chunks (prefill) run torch SDPA per sequence with a
-boolean mask. Both cover CPU, CUDA and ROCm alike, and neither lets one sequence's numbers depend on another's.
+Short steps (decode, tree verification) attend row by row over gathered keys, long chunks (prefill) run torch SDPA
+per sequence with a mask; no sequence's numbers depend on another's. On CPU the arithmetic is float32 (bfloat16
+SDPA is 4-5x slower for decode); the cache is bfloat16 where fused kernels run.
 """
 
 from __future__ import annotations

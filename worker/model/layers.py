@@ -104,9 +104,8 @@ def quantize_linears(model: nn.Module, bits: int | None, dtype: torch.dtype) -> 
 
 def unpack_quantized_linears(model: nn.Module) -> int:
     """Turn each int4-kernel linear back into a dense, oneDNN-prepacked weight holding the very values the kernel
-    multiplies by (read out by running the kernel on an identity matrix). For long teacher-forced passes (recording
-    draft-training features): the int4 kernel costs ~2x dense bfloat16 at 512 rows, and the weights, hence the
-    labels, stay those of the served quantized model up to accumulation order. Returns how many were unpacked."""
+    multiplies by. For long teacher-forced passes (draft-training features), where the int4 kernel costs ~2x dense
+    bfloat16 at 512 rows and the labels stay the served model's. Returns how many were unpacked."""
     n = 0
     for mod in model.modules():
         w = getattr(mod, "qweight", None)

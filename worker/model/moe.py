@@ -1,13 +1,8 @@
 """Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4 MoE) with rank-0 routing.
 
-Every rank holds a slice of every expert along the intermediate dimension, so each rank computes partial sums
-for the same experts and one all-reduce adds them. That is only right when every rank routes each token to the
-same experts with the same weights. Router logits computed on each rank can differ in the last bit (all-reduce
-on ROCm is not bit-identical across ranks) and flip a top-k tie, after which the all-reduce adds mismatched
-halves and the output is silently wrong. So routing is a rank-0 decision: rank 0 computes it in float32 and
-broadcasts the experts and weights of every token (one small broadcast per MoE layer). Recomputing on every
-rank with a deterministic tie-break would cost no collective, but it is safe only while the ranks' inputs are
-bitwise identical, which is the very assumption that fails on the hardware this engine was built for.
+Each rank holds a slice of every expert and one all-reduce adds the partial sums, right only if all ranks route a
+token alike. Router logits can differ by a bit across ranks (ROCm's all-reduce) and flip a top-k tie, so rank 0
+routes in float32 and broadcasts the choice (one broadcast per MoE layer).
 """
 
 from __future__ import annotations

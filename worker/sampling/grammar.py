@@ -1,11 +1,8 @@
 """Grammar-constrained decoding on rank 0 (xgrammar): JSON, JSON Schema, regex and EBNF.
 
-Only rank 0 holds grammar state; the other ranks never see a grammar. Before rank 0 chooses a token it masks
-that row's logits to what the grammar allows; a committed token advances the matcher. Speculative
-verification walks the tree with the matcher (accepting along the path, rolling back afterwards), so a draft
-token the grammar forbids is never accepted and the bonus token comes from the masked distribution: output is
-that of plain constrained decoding. JSON is generated compact (no free whitespace), which keeps a small model
-from filling its budget with blank lines.
+Only rank 0 holds grammar state. It masks a row's logits to what the grammar allows before choosing a token, and
+verification walks the tree with the matcher, so output is that of plain constrained decoding. JSON is generated
+compact, which keeps a small model from filling its budget with blank lines.
 """
 
 from __future__ import annotations

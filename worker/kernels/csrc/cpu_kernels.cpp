@@ -24,7 +24,7 @@ namespace {
 constexpr int LANES = 16;  // partial sums kept in 16 lanes: the compiler vectorises the loop, the order stays fixed
 // Rows of a row-wise elementwise kernel (norms, SiLU gate, rotary) one thread takes before a second joins: a row is
 // well under a microsecond, less than waking the other thread costs, so decode and verify steps run them inline
-// (measured in real steps: the norms cost 0.9 ms of a four-row verify when every row count went parallel)
+// (measured in real steps: with every row count parallel, the norms cost 0.9 ms of a four-row verify)
 constexpr int64_t ROW_GRAIN = 32;
 
 // bfloat16 <-> float32 by bit operations (round to nearest even, NaN kept), which the compiler vectorises; c10's
@@ -460,16 +460,16 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
 // pair of inputs (k, k+1) for the 16 outputs are 32 values in lane order (lane i holds output i's pair), and scale and
 // offset are 16 float16 each (GGUF's own scale type). 4 bits: 256 bytes per block and group, bytes [32p, 32p + 32)
 // hold pair 2p in their low nibbles and pair 2p + 1 in their high ones; 8 bits: 512 int8, pair t at [32t, 32t + 32).
-// The codes become exact
-// bfloat16 in registers and one AVX512-BF16 dot product takes a pair for 16 outputs (32 products, exact in float32)
-// per row, so a verify row costs 1/32 of an instruction per weight where torch's int4 kernel dequantizes per row.
+// The codes become exact bfloat16 in registers and one AVX512-BF16 dot product takes a pair for 16 outputs (32
+// products, exact in float32) per row, so a verify row costs 1/32 of an instruction per weight where torch's int4
+// kernel dequantizes per row.
 // Each row's sums run in one fixed order whatever rows run beside it, so a token verified in a tree gets the bits it
 // gets when decoded alone.
 constexpr int QGROUP = 32;
 constexpr int QBLOCK = 16;  // outputs per block, one per lane
 // Rows whose accumulators stay in registers together (24 of the 32), so a block's codes are widened once for up to
-// 8 rows: a 5-row verify took 6.3 ms of linears as 3 + 2 rows, 5.6 ms as one chunk (2-core EPYC, no AMX). Past 4
-// rows the dot products bound the step (one per cycle), so 8 rows gain little more.
+// 8 rows: a 5-row verify's linears cost 5.6 ms as one chunk against 6.3 ms as 3 + 2 rows (measured on CPUs without
+// AMX). Past 4 rows the dot products bound the step (one per cycle), so 8 rows gain little more.
 constexpr int QROWS = 8;
 constexpr int64_t QTILE = 8;  // blocks of weights (128 outputs) that every row chunk passes over in turn
 
@@ -537,7 +537,7 @@ inline int32_t input_pair(const c10::BFloat16* x) {  // inputs x[0], x[1] as one
 }
 
 // Rows r0.. r0 + R of one block of 16 outputs: per group, two dot-product chains per row (the pairs 4p, 4p + 1 and
-// 4p + 2, 4p + 3), then the group's scale and offset. (Measured: more chains, or two blocks at once, were slower.)
+// 4p + 2, 4p + 3), then the group's scale and offset (more chains, or two blocks at once, measure slower).
 template <int BITS, int R>
 inline void qlinear_block(const c10::BFloat16* x, const float* xsum, int64_t k, const uint8_t* codes, const at::Half* sz,
                           int64_t blk, float* y, int64_t n, __m512i lut) {
@@ -610,12 +610,12 @@ bool g_use_amx = true;  // benchmarks and tests turn the tiles off to compare th
 #define EAGLEGATE_AMX 1
 // AMX: the tile unit takes a block-group (16 outputs x 32 inputs, one tile of input pairs) for up to 16 rows in one
 // TDPBF16PS, so a verify of several rows costs little more than one decode row, where the dot-product path pays per
-// row (2-core Xeon with AMX, 120 int4 linears of a SmolLM2 step: 1 row 5.3 ms against 6.5, 4 rows 6.0 against 11.5,
-// 16 rows 8.3 against 26.9; bench/results/kernels.json). The codes are widened to bfloat16 into a 1 KiB tile buffer
-// (the same exact values); each group's sums are stored and scaled as in the vector path. Where the CPU has tiles every row count takes them: the tile unit's sums
-// agree with VDPBF16PS's on all but a few outputs in a thousand (an ulp), so mixing the two paths by row count would
-// let a verified row differ from the row decoded alone; within one path a row's bits never depend on the rows beside
-// it.
+// row (on a CPU with AMX, the 120 int4 linears of a SmolLM2 step: 1 row 5.3 ms against 6.5, 4 rows 6.0 against
+// 11.5, 16 rows 8.3 against 26.9; bench/results/kernels.json). The codes are widened to bfloat16 into a 1 KiB tile
+// buffer (the same exact values); each group's sums are stored and scaled as in the vector path. Where the CPU has
+// tiles every row count takes them: the tile unit's sums agree with VDPBF16PS's on all but a few outputs in a
+// thousand (an ulp), so mixing the two paths by row count would let a verified row differ from the row decoded
+// alone; within one path a row's bits never depend on the rows beside it.
 bool amx_ready() {
   static const bool ok = [] {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;  // the kernel hands out tile state on request

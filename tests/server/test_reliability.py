@@ -1,0 +1,254 @@
+"""Reliability: load with hang-ups, worker death and restart, hostile input and fuzzing, slow clients,
+SIGTERM under load, secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from helpers import alive, descendants, save_copy_eagle_head
+
+from runtime.engine import Engine
+from worker.config import EngineConfig
+from worker.model.config import load_model_config
+from worker.model.files import resolve_model
+from worker.sampling.params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from load import run_load  # noqa: E402
+
+SECRET = "sk-never-print-me-7f3a"
+
+
+def _args(tiny_llama, head, *extra) -> list[str]:
+    return ["--model-path", str(tiny_llama), "--served-model-name", "tiny", "--dtype", "float32",
+            "--max-total-tokens", "8192", "--max-model-len", "512", "--speculative-algorithm", "EAGLE",
+            "--speculative-draft-model-path", str(head), "--speculative-num-steps", "3",
+            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", *extra]
+
+
+@pytest.fixture(scope="module")
+def head(tiny_llama, tmp_path_factory):
+    return save_copy_eagle_head(tmp_path_factory.mktemp("rel-head"), load_model_config(resolve_model(str(tiny_llama))))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, head):
+    s = ServerProcess(_args(tiny_llama, head, "--tp-size", "2"), api_key=SECRET)
+    yield s
+    s.stop()
+
+
+def _wait_idle(server: ServerProcess, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = server.stats()
+        if (s["running"], s["waiting"], s["kv_used_tokens"]) == (0, 0, 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)  # polling for aborts to land, bounded by the deadline
+
+
+def _chat(server: ServerProcess, **kw) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8} | kw
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=60)
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_load_with_hangups_completes_everything_and_leaks_nothing(server):
+    report = asyncio.run(run_load(server.base_url, "tiny", clients=32, requests_per_client=2, max_tokens=24,
+                                  api_key=SECRET))
+    assert not report.failed, report.failed[:3]
+    assert report.completed + report.abandoned == 64 and report.abandoned > 0
+    stats = _wait_idle(server)
+    assert (stats["running"], stats["waiting"], stats["kv_used_tokens"]) == (0, 0, 0)
+    print("load:", json.dumps(report.summary()))
+
+
+HOSTILE = {
+    "deeply nested": b'{"model":"tiny","messages":' + b"[" * 50000 + b"]" * 50000 + b"}",
+    "invalid utf-8": b'{"model":"\xff\xfe","messages":[{"role":"user","content":"hi"}]}',
+    "NaN temperature": b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"temperature":NaN}',
+    "negative max_tokens": b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":-5}',
+    "huge max_tokens": b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":1000000000000}',
+    "huge n": b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"n":1000000000}',
+    "unknown field": b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"frobnicate":1}',
+    "not an object": b"[1, 2, 3]",
+    "oversized": b'{"model":"tiny","messages":[{"role":"user","content":"' + b"a" * 5_000_000 + b'"}]}',
+    "infinite penalty": b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"presence_penalty":1e999}',
+}
+
+
+def test_hostile_input_gets_4xx_and_memory_stays_flat(server):
+    headers = server.headers() | {"content-type": "application/json"}
+    url = server.base_url + "/v1/chat/completions"
+    rss_before = None
+    for round_ in range(6):
+        for name, body in HOSTILE.items():
+            r = httpx.post(url, content=body, headers=headers, timeout=30)
+            assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:200])
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], name
+        if round_ == 1:
+            rss_before = _rss_kb(server.proc.pid)  # after warm-up rounds
+    assert _chat(server).status_code == 200
+    growth_mb = (_rss_kb(server.proc.pid) - rss_before) / 1024
+    assert growth_mb < 40, f"front-end memory grew {growth_mb:.1f} MB over 40 hostile requests"
+
+
+def test_fuzz_from_openapi_schema(server):
+    """Schemathesis generates requests (valid and invalid) from our own OpenAPI schema, operation by operation:
+    never a 5xx, every error in OpenAI's shape, and the server keeps serving."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json", headers=server.headers())
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    calls = {"n": 0}
+    for op in operations:
+        @given(case=op.as_strategy())
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            case.headers = (case.headers or {}) | server.headers()
+            response = case.call(timeout=60)
+            calls["n"] += 1
+            assert response.status_code < 500, (case.path, response.status_code, response.text[:300])
+            if response.status_code >= 400:
+                err = response.json().get("error", {})
+                assert set(err) == {"message", "type", "param", "code"}, response.text[:300]
+
+        check()
+    assert calls["n"] >= 40
+    assert _chat(server).status_code == 200
+
+
+def test_slow_reader_does_not_stall_others(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as slow:
+        with slow.stream("POST", server.base_url + "/v1/chat/completions", json=body, headers=server.headers()) as r:
+            next(r.iter_lines())  # read one line, then stop reading while the server keeps producing
+            started = time.monotonic()
+            others = [_chat(server, max_tokens=16) for _ in range(4)]
+            assert all(o.status_code == 200 for o in others)
+            assert server.stats()["steps"] > 0
+            assert time.monotonic() - started < 60
+    stats = _wait_idle(server)
+    assert stats["kv_used_tokens"] == 0
+
+
+def test_api_key_never_leaks(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny"},
+                   headers={"Authorization": f"Bearer {SECRET}x"})
+    assert r.status_code == 401 and SECRET not in r.text
+    assert SECRET not in httpx.get(server.base_url + "/metrics").text
+    assert SECRET not in httpx.get(server.base_url + "/health").text
+    assert SECRET not in server.output()
+
+
+def test_worker_death_gives_503_then_the_group_restarts(tiny_llama, head):
+    s = ServerProcess(_args(tiny_llama, head, "--tp-size", "2", "--max-model-len", "6000"))
+    try:
+        workers = sorted(descendants(s.proc.pid) - {s.proc.pid})
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 5900,
+                "ignore_eos": True, "stream": True}
+        outcome = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", s.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+                outcome["lines"] = lines
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 30
+        while s.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the request is running
+        victim = [p for p in workers if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()][-1]
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        t.join(timeout=20)
+        assert not t.is_alive(), "stream hung after a worker was killed"
+        assert time.monotonic() - killed < 20
+        errors = [json.loads(x[6:]) for x in outcome["lines"] if x != "data: [DONE]" and "error" in x]
+        assert errors and "engine failed" in errors[0]["error"]["message"]
+        assert errors[0]["error"]["type"] == "service_unavailable_error"
+        h = httpx.get(s.base_url + "/health", timeout=5)
+        r = _chat(s)
+        if h.status_code == 503:  # the restart may already be done on a fast machine
+            assert "exited with code" in h.json()["error"]["message"]
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 120
+        while httpx.get(s.base_url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.25)  # the worker group reloads in the background, bounded
+        assert _chat(s).status_code == 200
+        assert s.stats()["restarts"] == 1 and "exited with code" in s.stats()["last_failure"]
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_under_load_drains_and_exits_zero(tiny_llama, head):
+    s = ServerProcess(_args(tiny_llama, head))
+    tree = descendants(s.proc.pid)
+    result = {}
+
+    def load() -> None:
+        result["report"] = asyncio.run(run_load(s.base_url, "tiny", clients=16, requests_per_client=50,
+                                                max_tokens=32, hangup_share=0.0))
+
+    t = threading.Thread(target=load)
+    t.start()
+    deadline = time.monotonic() + 30
+    while s.stats()["steps"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the load is flowing
+    stopped_at = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=60) == 0
+    assert time.monotonic() - stopped_at < 45
+    t.join(timeout=60)
+    assert not t.is_alive(), "clients hung after shutdown"
+    report = result.get("report")
+    report = result["report"]  # clients see 503s or refused/closed connections (0), never a 500
+    assert report.completed > 0
+    assert all(status in (0, 503) for status, _ in report.failed), report.failed[:3]
+    deadline = time.monotonic() + 10
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(tree), f"orphans: {alive(tree)}"
+    assert "eaglegate: stopped" in s.output()
+
+
+def test_a_failing_step_observer_never_stops_outputs(tiny_llama, caplog):
+    """The server's metrics run on the engine's receiver thread: an observer that raises is logged once and counted,
+    and every request still gets its whole answer (before, the raise ended the thread and every request hung)."""
+    calls = []
+
+    def broken(report):
+        calls.append(report)
+        raise RuntimeError("metrics bug")
+
+    cfg = EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048)
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(cfg) as reference:
+        expected = [r.token_ids for r in reference.generate([[1, 2, 3], [4, 5]], params)]
+    with caplog.at_level(logging.ERROR, logger="runtime.engine"), Engine(cfg, on_step=broken) as eng:
+        got = [r.token_ids for r in eng.generate([[1, 2, 3], [4, 5]], params, timeout=60)]
+    assert got == expected and all(len(t) == 8 for t in got)
+    assert eng.observer_errors == len(calls) >= 8  # after shutdown joined the receiver: the counts are final
+    assert sum("metrics bug" in r.exc_text for r in caplog.records if r.exc_text) == 1

@@ -1,0 +1,61 @@
+"""`make serve` as the README gives it answers a chat request; SIGTERM drains, stops the workers, exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from helpers import alive, descendants
+
+from worker.dist import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "make serve exited early"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)  # waiting for start-up, bounded by the deadline
+    raise AssertionError("server did not become healthy")
+
+
+def test_make_serve_answers_chat_and_sigterm_exits_cleanly(smol_dir, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(["make", "-s", "serve", f"ARGS=--port {port}"], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(url, proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="smollm2-135m-instruct",
+                                           messages=[{"role": "user", "content": "Say hi in three words."}],
+                                           max_tokens=16)
+        assert r.choices[0].message.content.strip()
+        tree = descendants(proc.pid)
+        assert len(tree) >= 3  # make -> eaglegate -> at least one TP worker
+        server_pid = next(p for p in tree if b"eaglegate" in Path(f"/proc/{p}/cmdline").read_bytes()
+                          and b"serve" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(server_pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.1)  # workers exit right after the front end; bounded wait
+        assert not alive(tree), f"orphans left: {alive(tree)}"
+        log.seek(0)
+        out = log.read()
+        assert "listening on" in out and "eaglegate: stopped" in out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
