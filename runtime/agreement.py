@@ -19,7 +19,7 @@ from speculative.heads import resolve_draft_path
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.model.config import load_model_config
-from worker.model.files import ModelSource
+from worker.model.files import ModelSource, read_gguf
 
 FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole; larger ones are sampled (SAMPLES chunks)
 SAMPLES, CHUNK = 64, 1 << 20
@@ -71,9 +71,7 @@ def _tensor_index(source: ModelSource) -> str:
     """Digest of every tensor's name, shape and type, read from the file headers (no weights read)."""
     h = hashlib.blake2b(digest_size=16)
     if source.kind == "gguf":
-        from gguf import GGUFReader
-
-        for t in GGUFReader(str(source.path)).tensors:
+        for t in read_gguf(source.path).tensors:
             h.update(f"{t.name}:{list(t.shape)}:{t.tensor_type.name};".encode())
     else:
         from safetensors import safe_open

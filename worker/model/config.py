@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from worker.model.files import ModelLoadError, ModelSource
+from worker.model.files import ModelLoadError, ModelSource, read_gguf
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -182,10 +182,8 @@ def config_from_gguf(reader) -> ModelConfig:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
-        import gguf
-
         try:
-            reader = gguf.GGUFReader(str(source.path))
+            reader = read_gguf(source.path)
         except Exception as e:  # gguf raises assorted errors on truncated or corrupt files
             raise ModelLoadError(f"cannot read GGUF file {source.path}: {e}") from e
         return config_from_gguf(reader)

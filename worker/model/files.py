@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -92,6 +93,30 @@ def _ensure_tokenizer_cache(folder: Path, gguf_path: Path) -> Path:
     tok.save_pretrained(str(tmp))
     tmp.rename(tok_dir)
     return tok_dir
+
+
+def read_gguf(path: Path):
+    """The file's `gguf.GGUFReader`, parsed once per process: the model config, the weights and the start-up
+    agreement all read it, and parsing a tokenizer's metadata takes seconds."""
+    stat = Path(path).stat()
+    return _gguf_reader(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(path: str, size: int, mtime_ns: int):
+    import gguf
+    import numpy as np
+
+    class Reader(gguf.GGUFReader):
+        """Reads through a plain array view of the file's mapping: the base class slices its np.memmap once per
+        metadata value, and each memmap slice pays numpy's memmap bookkeeping (3x the parse time)."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    return Reader(path)
 
 
 def resolve_model(model_path: str) -> ModelSource:

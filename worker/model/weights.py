@@ -22,7 +22,7 @@ from worker.kernels.quant import (
     quantize_rtn,
 )
 from worker.model.config import ModelConfig
-from worker.model.files import ModelLoadError, ModelSource
+from worker.model.files import ModelLoadError, ModelSource, read_gguf
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -81,10 +81,8 @@ def gguf_tensor(t, method: str) -> torch.Tensor | QTensor:
 
 def iter_gguf(path: Path, cfg: ModelConfig, show_progress: bool,
               method: str = "none") -> Iterator[tuple[str, torch.Tensor | QTensor]]:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = read_gguf(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {e}") from e
     for t in tqdm(reader.tensors, desc="loading GGUF", unit="tensor", disable=not show_progress, leave=False):
