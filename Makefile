@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp bench-spec bench-quant bench-prefix gpu-check clean
+.PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp bench-spec bench-quant bench-prefix bench-step \
+	gpu-check gpu-bundle gpu-train clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,17 +64,35 @@ llama-cpp: model
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q \
 		--disable-pip-version-check --no-cache-dir llama-cpp-python==0.3.36 diskcache==5.6.3
 
+# Results go to bench/results/<benchmark>[-<MACHINE>].json (docs/benchmarks.md); MACHINE=epyc names the machine class.
+MACHINE ?=
+MARG = $(if $(MACHINE),--machine $(MACHINE))
+
 bench-spec: llama-cpp
-	$(PY) bench/spec.py $(ARGS)
+	$(PY) bench/spec.py $(MARG) $(ARGS)
 
 # The quantized fast step: kernel cost table, then none/int8/auto/default against llama.cpp.
 bench-quant: llama-cpp
-	$(PY) bench/kernels.py
-	$(PY) bench/quant.py $(ARGS)
+	$(PY) bench/kernels.py $(MARG)
+	$(PY) bench/quant.py $(MARG) $(ARGS)
 
 # Prefix caching through two real servers (with and without the cache) under the same streamed load.
 bench-prefix: model
-	$(PY) bench/prefix.py $(ARGS)
+	$(PY) bench/prefix.py $(MARG) $(ARGS)
+
+bench-step: model kernels
+	$(PY) bench/step.py $(MARG) $(ARGS)
+
+# On a host with a CUDA or ROCm torch: the `cuda` tests and bench/gpu.py, results in OUT (docs/deployment.md).
+gpu-check:
+	bash scripts/gpu-check.sh $(or $(OUT),build/gpu-check) $(MARG) $(ARGS)
+
+# For a GPU host without internet: wheels, tokenizer and (ARGS="--with-model") the model, in build/gpu-bundle.
+gpu-bundle: model
+	bash scripts/gpu-bundle.sh create build/gpu-bundle $(ARGS)
+
+gpu-train:
+	bash scripts/gpu-train.sh $(or $(OUT),build/gpu-train) $(ARGS)
 
 clean:
 	rm -rf $(VENV)

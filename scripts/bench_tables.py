@@ -19,10 +19,9 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def _source(d: dict) -> str:
-    commit = d.get("commit", "?")[:7]
-    when = f", {d['date'][:10]}" if d.get("date") else ""
-    machine = f", {d['machine']}" if d.get("machine") else ""
-    return f"_`{d.get('command', '?')}` at commit {commit}{when}{machine}._"
+    """The command and the machine (the result file also keeps the commit it ran at)."""
+    machine = f" on {d['machine']}" if d.get("machine") else ""
+    return f"_`{d.get('command', '?')}`{machine}._"
 
 
 def spec_table(d: dict) -> str:

@@ -1,4 +1,4 @@
-"""On a GPU (run by scripts/device-check.sh; skipped in CI): the CUDA path against the CPU float32 reference, graph
+"""On a GPU (run by scripts/gpu-check.sh; skipped in CI): the CUDA path against the CPU float32 reference, graph
 replay against eager, and EAGLE lossless with captured verify steps. Models are small random Llamas built here
 with transformers, so the check needs no weights carried to the device."""
 

@@ -34,7 +34,8 @@ def _args(tiny_llama, head, *extra) -> list[str]:
     return ["--model-path", str(tiny_llama), "--served-model-name", "tiny", "--dtype", "float32",
             "--max-total-tokens", "8192", "--max-model-len", "512", "--speculative-algorithm", "EAGLE",
             "--speculative-draft-model-path", str(head), "--speculative-num-steps", "3",
-            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", *extra]
+            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", "--speculative-cost-table", "off",
+            *extra]
 
 
 @pytest.fixture(scope="module")

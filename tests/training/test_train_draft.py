@@ -22,7 +22,7 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
            "--num-prompts", "8", "--max-new-tokens", "24", "--max-len", "96", "--epochs", "2", "--batch-size", "4",
            "--draft-vocab", "2048", "--checkpoint-every", "2", "--dtype", "float32"]
     if kind == "eagle3":
-        # the path of scripts/device-train.sh: examples exported as token ids, then trained from that file; and
+        # the path of scripts/gpu-train.sh: examples exported as token ids, then trained from that file; and
         # the bfloat16-autocast training path (weights stay float32)
         examples = tmp_path / "examples.pt"
         r = subprocess.run(cmd + ["--export-examples", str(examples)], capture_output=True, text=True, timeout=900)
@@ -89,7 +89,7 @@ def assert_serves_losslessly(smol_engine, head) -> None:
     prompt = smol_engine.encode("The quick brown fox")
     params = SamplingParams(max_new_tokens=16, temperature=0)
     ref = smol_engine.generate([prompt], params)[0].token_ids
-    spec = SpecConfig("EAGLE", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    spec = SpecConfig("EAGLE", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=6, cost_table="off")
     with Engine(EngineConfig(dtype="float32", max_total_tokens=2048, spec=spec)) as eng:
         assert eng.generate([prompt], params)[0].token_ids == ref
 
