@@ -34,10 +34,14 @@ def main() -> None:
     dense = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(COPIES)]
     onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
     qlinear = lambda x, w: int4_linear(x, w, None)  # noqa: E731
-    kinds = {"bfloat16 oneDNN": ([[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in c]
-                                  for c in dense], onednn),
-             "int8 qlinear": ([[pack(quantize_rtn(w, 8)) for w in c] for c in dense], qlinear),
-             "int4 qlinear": ([[pack(quantize_rtn(w, 4)) for w in c] for c in dense], qlinear)}
+    kinds = {
+        "bfloat16 oneDNN": (
+            [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in c] for c in dense],
+            onednn,
+        ),
+        "int8 qlinear": ([[pack(quantize_rtn(w, 8)) for w in c] for c in dense], qlinear),
+        "int4 qlinear": ([[pack(quantize_rtn(w, 4)) for w in c] for c in dense], qlinear),
+    }
     table: dict[str, dict[str, float]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in SHAPES}
@@ -50,9 +54,11 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) * 1e3)
         table[str(rows)] = {name: round(sorted(t)[len(t) // 2], 3) for name, t in times.items()}
         print(rows, table[str(rows)], flush=True)
-    mb = {"bfloat16 oneDNN": sum(n * k * 2 for n, k in SHAPES) / 1e6,
-          "int8 qlinear": sum(w.nbytes for w in kinds["int8 qlinear"][0][0]) / 1e6,
-          "int4 qlinear": sum(w.nbytes for w in kinds["int4 qlinear"][0][0]) / 1e6}
+    mb = {
+        "bfloat16 oneDNN": sum(n * k * 2 for n, k in SHAPES) / 1e6,
+        "int8 qlinear": sum(w.nbytes for w in kinds["int8 qlinear"][0][0]) / 1e6,
+        "int4 qlinear": sum(w.nbytes for w in kinds["int4 qlinear"][0][0]) / 1e6,
+    }
     out = provenance() | {"unit": "ms, median, all of one draft forward's linears", "weight MB": mb, "table": table}
     result_path("draft", args.machine).write_text(json.dumps(out, indent=1) + "\n")
 

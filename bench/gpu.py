@@ -34,12 +34,24 @@ from worker.config import EngineConfig, SpecConfig  # noqa: E402
 from worker.model.files import GGUF_NAME, default_model_dir, eaglegate_home  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 
-PROMPTS = ["Explain how a hash map works.", "Write a short poem about the sea.", "What causes the seasons?",
-           "List five uses of Python.", "Summarise the plot of Hamlet.", "How do vaccines work?",
-           "Give three tips for a job interview.", "Describe the water cycle."]
+PROMPTS = [
+    "Explain how a hash map works.",
+    "Write a short poem about the sea.",
+    "What causes the seasons?",
+    "List five uses of Python.",
+    "Summarise the plot of Hamlet.",
+    "How do vaccines work?",
+    "Give three tips for a job interview.",
+    "Describe the water cycle.",
+]
 # on a GPU a verify row costs far less than a step, so deeper trees than the CPU default (s1 k1 n2) can pay
-GPU_TREE = {"num_steps": 4, "eagle_topk": 2, "num_draft_tokens": 8, "disable_batch_size": 0,
-            "calibrate_batch_limit": False}
+GPU_TREE = {
+    "num_steps": 4,
+    "eagle_topk": 2,
+    "num_draft_tokens": 8,
+    "disable_batch_size": 0,
+    "calibrate_batch_limit": False,
+}
 
 
 def smol_shaped_model(folder: Path) -> Path:
@@ -48,10 +60,20 @@ def smol_shaped_model(folder: Path) -> Path:
 
     if (folder / "config.json").exists():
         return folder
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                                   rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                                   bos_token_id=1, eos_token_id=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     folder.mkdir(parents=True, exist_ok=True)
     for f in (default_model_dir() / "tokenizer").iterdir():  # first: config.json, written last, marks a whole folder
         (folder / f.name).write_bytes(f.read_bytes())
@@ -69,14 +91,16 @@ def throughput(engine: Engine, prompts: list[list[int]], concurrency: int, param
     return {"tok_s": sum(len(r.token_ids) for r in out) / secs, "seconds": secs, "outputs": [r.token_ids for r in out]}
 
 
-def run_target(model_path: str, prompts_of, concurrencies: list[int], params: SamplingParams,
-               specs: dict[str, SpecConfig]) -> dict:
+def run_target(
+    model_path: str, prompts_of, concurrencies: list[int], params: SamplingParams, specs: dict[str, SpecConfig]
+) -> dict:
     results: dict = {}
     for eager in (True, False):
         mode = "eager" if eager else "captured"
         for name, spec in {"plain": SpecConfig(), **specs}.items():
-            cfg = EngineConfig(model_path=model_path, dtype="bfloat16", enforce_eager=eager, spec=spec,
-                               max_total_tokens=65536)
+            cfg = EngineConfig(
+                model_path=model_path, dtype="bfloat16", enforce_eager=eager, spec=spec, max_total_tokens=65536
+            )
             t0 = time.perf_counter()
             with Engine(cfg) as eng:
                 start = time.perf_counter() - t0
@@ -111,8 +135,11 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/eaglegate-gpu-bench")
     args = p.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
-    out: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "max_tokens": args.max_tokens, "concurrency": conc}
+    out: dict = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "max_tokens": args.max_tokens,
+        "concurrency": conc,
+    }
     random_model = smol_shaped_model(Path(args.work) / "smol-shaped")
     ids = [[(97 * i + 13 * j) % 49000 + 100 for j in range(64)] for i in range(8)]  # 64-token synthetic prompts
     fixed = SamplingParams(max_new_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -122,8 +149,13 @@ def main() -> int:
     def save() -> None:  # after each target, so a failure later keeps what was measured
         path.write_text(json.dumps(out | provenance(), indent=1) + "\n")
 
-    out["smol_shaped_random"] = run_target(str(random_model), lambda tok: ids, conc, fixed,
-                                           {"eagle_gpu_tree": dataclasses.replace(default_spec_config(), **GPU_TREE)})
+    out["smol_shaped_random"] = run_target(
+        str(random_model),
+        lambda tok: ids,
+        conc,
+        fixed,
+        {"eagle_gpu_tree": dataclasses.replace(default_spec_config(), **GPU_TREE)},
+    )
     save()
     if (default_model_dir() / GGUF_NAME).exists():
         questions = PROMPTS
@@ -134,10 +166,13 @@ def main() -> int:
         def chat(tok):
             return [chat_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
 
-        specs = {"eagle_default": default_spec_config(),
-                 "eagle_gpu_tree": dataclasses.replace(default_spec_config(), **GPU_TREE)}
-        out["smollm2_135m_instruct"] = run_target("smollm2-135m-instruct", chat, conc,
-                                                  SamplingParams(max_new_tokens=args.max_tokens, temperature=0), specs)
+        specs = {
+            "eagle_default": default_spec_config(),
+            "eagle_gpu_tree": dataclasses.replace(default_spec_config(), **GPU_TREE),
+        }
+        out["smollm2_135m_instruct"] = run_target(
+            "smollm2-135m-instruct", chat, conc, SamplingParams(max_new_tokens=args.max_tokens, temperature=0), specs
+        )
     else:
         out["smollm2_135m_instruct"] = f"not measured: {GGUF_NAME} is not under {default_model_dir()}"
     save()

@@ -31,19 +31,38 @@ from speculative.defaults import DEFAULT_HEAD, resolve_spec_config  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 
-MORE = ["How do I make a good cup of coffee?", "Summarize the causes of World War I.",
-        "Write a Python function that reverses a linked list.",
-        "What is the difference between a virus and a bacterium?"]
+MORE = [
+    "How do I make a good cup of coffee?",
+    "Summarize the causes of World War I.",
+    "Write a Python function that reverses a linked list.",
+    "What is the difference between a virus and a bacterium?",
+]
 SETS = {"test: 4 questions x 64": (QUESTIONS, 64), "8 questions x 128": (QUESTIONS + MORE, 128)}
 
 
 def fixed_tree(head: str):
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    return resolve_spec_config(p.parse_args([
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-num-steps", "5",
-        "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "12", "--speculative-cost-table", "off",
-        "--speculative-context-tokens", "0"]))
+    return resolve_spec_config(
+        p.parse_args(
+            [
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                head,
+                "--speculative-num-steps",
+                "5",
+                "--speculative-eagle-topk",
+                "4",
+                "--speculative-num-draft-tokens",
+                "12",
+                "--speculative-cost-table",
+                "off",
+                "--speculative-context-tokens",
+                "0",
+            ]
+        )
+    )
 
 
 def main() -> None:
@@ -53,8 +72,10 @@ def main() -> None:
     args = ap.parse_args()
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192)) as eng:
         prompts = {k: [eng.encode(chat(eng, q)) for q in qs] for k, (qs, _) in SETS.items()}
-        refs = {k: [r.token_ids for r in eng.generate(prompts[k], SamplingParams(max_new_tokens=n, temperature=0))]
-                for k, (_, n) in SETS.items()}
+        refs = {
+            k: [r.token_ids for r in eng.generate(prompts[k], SamplingParams(max_new_tokens=n, temperature=0))]
+            for k, (_, n) in SETS.items()
+        }
     results = []
     for head in args.heads:
         row = {"head": head}
@@ -66,8 +87,12 @@ def main() -> None:
                 after = eng.stats.values
                 steps = after["spec_verify_steps"] - before.get("spec_verify_steps", 0)
                 accepted = after["spec_accepted_tokens"] - before.get("spec_accepted_tokens", 0)
-                row[k] = {"tau": round((steps + accepted) / steps, 3), "verify_steps": steps,
-                          "identical": sum(a == b for a, b in zip(out, refs[k])), "of": len(out)}
+                row[k] = {
+                    "tau": round((steps + accepted) / steps, 3),
+                    "verify_steps": steps,
+                    "identical": sum(a == b for a, b in zip(out, refs[k])),
+                    "of": len(out),
+                }
         print(json.dumps(row), flush=True)
         results.append(row)
     out = {**provenance(), "tree": "s5 k4 n12, float32, no context candidates", "results": results}

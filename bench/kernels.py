@@ -31,6 +31,7 @@ def step_fn(weights, kernel, rows: int):
         for layer in weights:
             for w, (_, k) in zip(layer, SHAPES):
                 kernel(xs[k], w)
+
     return run
 
 
@@ -61,6 +62,7 @@ def main() -> None:
         kernels["qlinear int4"] = ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run)
         kernels["qlinear int8"] = ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run)
         if ops.qlinear_amx():  # every row count takes AMX tiles here; time the dot-product path beside them
+
             def vector_only(x, w):
                 ops.set_qlinear_amx(False)
                 try:
@@ -74,8 +76,11 @@ def main() -> None:
     kernels |= {
         "torch int4": ([[pack_int4(q) for q in layer] for layer in int4], pack_int4(head4), run),
         "torch int8 (two int4 planes)": ([[pack_int4(q) for q in layer] for layer in int8], pack_int4(head8), run),
-        "bfloat16 oneDNN": ([[onednn(w) for w in layer] for layer in dense], onednn(head),
-                            lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
+        "bfloat16 oneDNN": (
+            [[onednn(w) for w in layer] for layer in dense],
+            onednn(head),
+            lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        ),
     }
     table: dict = {}
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -16,9 +16,16 @@ from dataclasses import dataclass, field
 
 import httpx
 
-PROMPTS = ["Tell me about the history of tea.", "Write a limerick about a cat.", "How do airplanes fly?",
-           "List some good habits for students.", "What is machine learning?", "Describe a rainy day in a city.",
-           "Give me a recipe for pancakes.", "Why is the ocean salty?"]
+PROMPTS = [
+    "Tell me about the history of tea.",
+    "Write a limerick about a cat.",
+    "How do airplanes fly?",
+    "List some good habits for students.",
+    "What is machine learning?",
+    "Describe a rainy day in a city.",
+    "Give me a recipe for pancakes.",
+    "Why is the ocean salty?",
+]
 
 
 @dataclass
@@ -35,25 +42,52 @@ class LoadReport:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
     def summary(self) -> dict:
-        return {"completed": self.completed, "abandoned": self.abandoned, "failed": len(self.failed),
-                "requests_per_s": self.completed / self.seconds, "tokens_per_s": self.tokens / self.seconds,
-                "p50_s": self.percentile(0.5), "p99_s": self.percentile(0.99)}
+        return {
+            "completed": self.completed,
+            "abandoned": self.abandoned,
+            "failed": len(self.failed),
+            "requests_per_s": self.completed / self.seconds,
+            "tokens_per_s": self.tokens / self.seconds,
+            "p50_s": self.percentile(0.5),
+            "p99_s": self.percentile(0.99),
+        }
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, rng: random.Random, report: LoadReport,
-               max_tokens: int, hangup_share: float, headers: dict) -> None:
+async def _one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    rng: random.Random,
+    report: LoadReport,
+    max_tokens: int,
+    hangup_share: float,
+    headers: dict,
+) -> None:
     try:
         await _request(client, url, model, rng, report, max_tokens, hangup_share, headers)
     except httpx.HTTPError as e:  # refused or cut connections count as failures (status 0), never crash the run
         report.failed.append((0, f"{type(e).__name__}: {e}"[:200]))
 
 
-async def _request(client: httpx.AsyncClient, url: str, model: str, rng: random.Random, report: LoadReport,
-                   max_tokens: int, hangup_share: float, headers: dict) -> None:
+async def _request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    rng: random.Random,
+    report: LoadReport,
+    max_tokens: int,
+    hangup_share: float,
+    headers: dict,
+) -> None:
     stream = rng.random() < 0.5
-    body = {"model": model, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-            "max_tokens": rng.randint(max_tokens // 2, max_tokens), "stream": stream,
-            "temperature": 0 if rng.random() < 0.5 else 0.8, "seed": rng.randint(0, 1000)}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+        "max_tokens": rng.randint(max_tokens // 2, max_tokens),
+        "stream": stream,
+        "temperature": 0 if rng.random() < 0.5 else 0.8,
+        "seed": rng.randint(0, 1000),
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     hang_after = rng.randint(1, 8) if stream and rng.random() < hangup_share else None
@@ -87,12 +121,21 @@ async def _request(client: httpx.AsyncClient, url: str, model: str, rng: random.
     report.latencies.append(time.perf_counter() - t0)
 
 
-async def run_load(url: str, model: str, clients: int = 64, requests_per_client: int = 3, max_tokens: int = 48,
-                   hangup_share: float = 1 / 3, seed: int = 0, api_key: str | None = None) -> LoadReport:
+async def run_load(
+    url: str,
+    model: str,
+    clients: int = 64,
+    requests_per_client: int = 3,
+    max_tokens: int = 48,
+    hangup_share: float = 1 / 3,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> LoadReport:
     report = LoadReport()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
         async def worker(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             for _ in range(requests_per_client):
@@ -113,8 +156,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--api-key", default=None)
     args = ap.parse_args()
-    report = asyncio.run(run_load(args.url, args.model, args.clients, args.requests_per_client, args.max_tokens,
-                                  api_key=args.api_key))
+    report = asyncio.run(
+        run_load(args.url, args.model, args.clients, args.requests_per_client, args.max_tokens, api_key=args.api_key)
+    )
     s = report.summary()
     print(json.dumps(s, indent=2))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -34,8 +34,12 @@ MODEL = "smollm2-135m-instruct"
 
 def start_server(port: int, extra: list[str]) -> subprocess.Popen:
     log = tempfile.NamedTemporaryFile("w", prefix="eaglegate-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(port), *extra], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--port", str(port), *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -52,8 +56,14 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen:
 async def one_request(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first, text, usage = None, "", None
-    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
-                                                  temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -61,8 +71,13 @@ async def one_request(client: openai.AsyncOpenAI, messages: list[dict], max_toke
         if chunk.usage is not None:
             usage = chunk.usage
     details = usage.prompt_tokens_details
-    return {"ttft": (first or time.perf_counter()) - t0, "text": text, "output_tokens": usage.completion_tokens,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": details.cached_tokens if details else 0}
+    return {
+        "ttft": (first or time.perf_counter()) - t0,
+        "text": text,
+        "output_tokens": usage.completion_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": details.cached_tokens if details else 0,
+    }
 
 
 def conversations(n: int, turns: int) -> list[list[str]]:
@@ -97,21 +112,27 @@ async def multi_turn(port: int, convs: list[list[str]], users: int, max_tokens: 
     t0 = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(users)))
     wall = time.perf_counter() - t0
-    return summarize(records, wall) | {"by_turn": {
-        str(t): summarize([r for r in records if r["turn"] == t], None) for t in sorted({r["turn"] for r in records})}}
+    return summarize(records, wall) | {
+        "by_turn": {
+            str(t): summarize([r for r in records if r["turn"] == t], None)
+            for t in sorted({r["turn"] for r in records})
+        }
+    }
 
 
 async def shared_system(port: int, n: int, concurrency: int, max_tokens: int) -> dict:
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600, max_retries=0)
-    rules = " ".join(f"Rule {i}: answer questions about topic {i} politely and with one concrete example." for i in
-                     range(110))  # about 1,500 tokens
+    rules = " ".join(
+        f"Rule {i}: answer questions about topic {i} politely and with one concrete example." for i in range(110)
+    )  # about 1,500 tokens
     gate = asyncio.Semaphore(concurrency)
 
     async def ask(i: int) -> dict:
         async with gate:
             question = f"Question {i}: what is rule {i * 3 % 110}?"
-            return await one_request(client, [{"role": "system", "content": rules},
-                                              {"role": "user", "content": question}], max_tokens)
+            return await one_request(
+                client, [{"role": "system", "content": rules}, {"role": "user", "content": question}], max_tokens
+            )
 
     t0 = time.perf_counter()
     records = await asyncio.gather(*(ask(i) for i in range(n)))
@@ -120,10 +141,13 @@ async def shared_system(port: int, n: int, concurrency: int, max_tokens: int) ->
 
 def summarize(records: list[dict], wall: float | None) -> dict:
     ttft = sorted(r["ttft"] for r in records)
-    out = {"requests": len(records), "ttft_p50_s": round(statistics.median(ttft), 3),
-           "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 3),
-           "prompt_tokens": sum(r["prompt_tokens"] for r in records),
-           "cached_tokens": sum(r["cached_tokens"] for r in records)}
+    out = {
+        "requests": len(records),
+        "ttft_p50_s": round(statistics.median(ttft), 3),
+        "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 3),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+        "cached_tokens": sum(r["cached_tokens"] for r in records),
+    }
     if wall is not None:
         out |= {"wall_s": round(wall, 1), "output_tok_s": round(sum(r["output_tokens"] for r in records) / wall, 1)}
     return out
@@ -144,10 +168,15 @@ def main() -> None:
     for name, extra in (("cache", []), ("no cache", ["--disable-radix-cache"])):
         proc = start_server(args.port, extra)
         try:
-            run = {"multi_turn": asyncio.run(multi_turn(args.port, convs, args.users, args.max_tokens)),
-                   "shared_system_prompt": asyncio.run(shared_system(args.port, args.system_requests, 8, 32))}
-            run["engine_stats"] = {k: v for k, v in httpx.get(f"http://127.0.0.1:{args.port}/engine/stats").json()
-                                   .items() if k.startswith("prefix_cache")}
+            run = {
+                "multi_turn": asyncio.run(multi_turn(args.port, convs, args.users, args.max_tokens)),
+                "shared_system_prompt": asyncio.run(shared_system(args.port, args.system_requests, 8, 32)),
+            }
+            run["engine_stats"] = {
+                k: v
+                for k, v in httpx.get(f"http://127.0.0.1:{args.port}/engine/stats").json().items()
+                if k.startswith("prefix_cache")
+            }
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -158,12 +187,16 @@ def main() -> None:
     results["ratios"] = {
         "turn_ge2_ttft_p50_speedup": round(
             statistics.mean(n["multi_turn"]["by_turn"][t]["ttft_p50_s"] for t in later)
-            / statistics.mean(c["multi_turn"]["by_turn"][t]["ttft_p50_s"] for t in later), 2),
+            / statistics.mean(c["multi_turn"]["by_turn"][t]["ttft_p50_s"] for t in later),
+            2,
+        ),
         "multi_turn_throughput_ratio": round(c["multi_turn"]["output_tok_s"] / n["multi_turn"]["output_tok_s"], 2),
-        "system_prompt_ttft_p50_speedup": round(n["shared_system_prompt"]["ttft_p50_s"]
-                                                / c["shared_system_prompt"]["ttft_p50_s"], 2),
-        "system_prompt_throughput_ratio": round(c["shared_system_prompt"]["output_tok_s"]
-                                                / n["shared_system_prompt"]["output_tok_s"], 2),
+        "system_prompt_ttft_p50_speedup": round(
+            n["shared_system_prompt"]["ttft_p50_s"] / c["shared_system_prompt"]["ttft_p50_s"], 2
+        ),
+        "system_prompt_throughput_ratio": round(
+            c["shared_system_prompt"]["output_tok_s"] / n["shared_system_prompt"]["output_tok_s"], 2
+        ),
     }
     print(json.dumps(results["ratios"], indent=1))
     result_path("prefix", args.machine).write_text(json.dumps(results, indent=1) + "\n")

@@ -20,16 +20,25 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MACHINES = {"epyc": "AMD EPYC with AVX512-BF16, no AMX", "xeon": "Intel Xeon without AVX512-BF16",
-            "h100": "NVIDIA H100", "h200": "NVIDIA H200", "mi355x": "AMD Instinct MI355X"}
+MACHINES = {
+    "epyc": "AMD EPYC with AVX512-BF16, no AMX",
+    "xeon": "Intel Xeon without AVX512-BF16",
+    "h100": "NVIDIA H100",
+    "h200": "NVIDIA H200",
+    "mi355x": "AMD Instinct MI355X",
+}
 RESULT_NAME = re.compile(rf"(?P<benchmark>[a-z][a-z0-9_]*)(?:-(?P<machine>{'|'.join(MACHINES)}))?\.(?:json|png)")
 
 
 def add_machine_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--machine", choices=sorted(MACHINES), default=None,
-                        help="machine class the results file is named after: "
-                             + "; ".join(f"{k}: {v}" for k, v in MACHINES.items())
-                             + " (default: none, the reference machine, an Intel Xeon with AMX)")
+    parser.add_argument(
+        "--machine",
+        choices=sorted(MACHINES),
+        default=None,
+        help="machine class the results file is named after: "
+        + "; ".join(f"{k}: {v}" for k, v in MACHINES.items())
+        + " (default: none, the reference machine, an Intel Xeon with AMX)",
+    )
 
 
 def is_result_name(name: str) -> bool:
@@ -49,8 +58,11 @@ def result_path(benchmark: str, machine: str | None = None, suffix: str = ".json
 def _cpu_features() -> str:
     """The vector units the CPU kernels choose by."""
     try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
+        flags = set(
+            next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+            .split(":", 1)[1]
+            .split()
+        )
     except (OSError, StopIteration):
         return ""
     have = [name for name, flag in (("AVX512-BF16", "avx512_bf16"), ("AMX-BF16", "amx_bf16")) if flag in flags]
@@ -68,8 +80,12 @@ def provenance() -> dict:
     # EAGLEGATE_COMMIT names the commit where the tree has no .git (scripts/gpu-check.sh sets it from a bundle)
     commit = os.environ.get("EAGLEGATE_COMMIT") or _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit + ("+dirty" if dirty else ""),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
-                       f"{_cpu_features()}",
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit + ("+dirty" if dirty else ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+        f"{_cpu_features()}",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

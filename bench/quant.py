@@ -40,8 +40,7 @@ def peak_rss_mib(pid: int) -> float:
 
 def runtime_baseline_mib() -> float:
     """Peak RSS of a process that imports what a worker imports and loads no model: the runtime's own share."""
-    code = ("import torch, worker.runner, worker.leader, speculative.leader; "
-            "print(open('/proc/self/status').read())")
+    code = "import torch, worker.runner, worker.leader, speculative.leader; print(open('/proc/self/status').read())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("VmHWM:"))
     return int(line.split()[1]) / 1024
@@ -52,16 +51,23 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="4,16")
-    ap.add_argument("--requests-per-client", type=int, default=4,
-                    help="each concurrency level sends this many questions per client, refilled as answers end")
+    ap.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=4,
+        help="each concurrency level sends this many questions per client, refilled as answers end",
+    )
     add_machine_option(ap)
     args = ap.parse_args()
     folder = fetch_default_model(quiet=True)
     questions = mtbench_first_turns(args.limit)
     base = EngineConfig(dtype="bfloat16", max_total_tokens=KV_TOKENS, spec=SpecConfig())
-    configs = {"plain none": base.replace(quantization="none"), "plain int8": base.replace(quantization="int8"),
-               "plain auto": base.replace(quantization="auto"), "default (auto + EAGLE)":
-               base.replace(quantization="auto", spec=default_spec_config())}
+    configs = {
+        "plain none": base.replace(quantization="none"),
+        "plain int8": base.replace(quantization="int8"),
+        "plain auto": base.replace(quantization="auto"),
+        "default (auto + EAGLE)": base.replace(quantization="auto", spec=default_spec_config()),
+    }
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
     engines = {name: Engine(cfg) for name, cfg in configs.items()}
     results: dict = {"limit": args.limit, "max_tokens": args.max_tokens, "engines": {}, "concurrency": {}}
@@ -74,27 +80,34 @@ def main() -> None:
             engines[name].generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=0))
         before = dict(engines["default (auto + EAGLE)"].stats.values)
         for i, ids in enumerate(prompts):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 t0 = time.perf_counter()
                 r = engines[name].generate([ids], params)[0]
                 secs[name] += time.perf_counter() - t0
                 toks[name] += len(r.token_ids)
                 outs[name].append(r.token_ids)
             if (i + 1) % 10 == 0:
-                print(f"{i + 1}/{len(prompts)}: " + "  ".join(f"{n} {toks[n] / secs[n]:.1f}" for n in names),
-                      flush=True)
+                print(
+                    f"{i + 1}/{len(prompts)}: " + "  ".join(f"{n} {toks[n] / secs[n]:.1f}" for n in names), flush=True
+                )
         after = engines["default (auto + EAGLE)"].stats.values
         steps = after.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0)
         accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
         for name in names:
-            results["engines"][name] = {"tok_s": toks[name] / secs[name], "tokens": toks[name],
-                                        "peak_rss_mib": peak_rss_mib(engines[name]._procs[0].pid)}
+            results["engines"][name] = {
+                "tok_s": toks[name] / secs[name],
+                "tokens": toks[name],
+                "peak_rss_mib": peak_rss_mib(engines[name]._procs[0].pid),
+            }
         results["engines"]["default (auto + EAGLE)"]["tau"] = (steps + accepted) / max(steps, 1)
         results["identical_default_vs_plain_auto"] = sum(
-            a == b for a, b in zip(outs["default (auto + EAGLE)"], outs["plain auto"]))
+            a == b for a, b in zip(outs["default (auto + EAGLE)"], outs["plain auto"])
+        )
         for c in [int(x) for x in args.concurrency.split(",") if x]:
-            row = {name: concurrent(engines[name], prompts, params, c, args.requests_per_client * c)
-                   for name in ("plain auto", "default (auto + EAGLE)")}
+            row = {
+                name: concurrent(engines[name], prompts, params, c, args.requests_per_client * c)
+                for name in ("plain auto", "default (auto + EAGLE)")
+            }
             results["concurrency"][str(c)] = row
             print(f"concurrency {c}: " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()), flush=True)
     finally:
@@ -103,12 +116,18 @@ def main() -> None:
     lc = llama_cpp_tok_s(questions, args.max_tokens)
     results["llama_cpp_tok_s"] = lc
     gguf_mib = (folder / GGUF_NAME).stat().st_size / 2**20
-    results["memory"] = {"gguf_mib": gguf_mib, "runtime_baseline_mib": runtime_baseline_mib(),
-                         "kv_pool_tokens": KV_TOKENS}
+    results["memory"] = {
+        "gguf_mib": gguf_mib,
+        "runtime_baseline_mib": runtime_baseline_mib(),
+        "kv_pool_tokens": KV_TOKENS,
+    }
     e = results["engines"]
     auto, default = e["plain auto"]["tok_s"], e["default (auto + EAGLE)"]["tok_s"]
-    ratios = {"auto / none": auto / e["plain none"]["tok_s"], "int8 / none": e["plain int8"]["tok_s"] /
-              e["plain none"]["tok_s"], "default / plain auto": default / auto}
+    ratios = {
+        "auto / none": auto / e["plain none"]["tok_s"],
+        "int8 / none": e["plain int8"]["tok_s"] / e["plain none"]["tok_s"],
+        "default / plain auto": default / auto,
+    }
     if lc:
         ratios |= {"plain auto / llama.cpp": auto / lc, "default / llama.cpp": default / lc}
     for c, row in results["concurrency"].items():

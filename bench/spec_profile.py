@@ -23,8 +23,9 @@ from worker.protocol import StepReport
 from worker.sampling.params import SamplingParams
 
 
-def timed_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-                 after_warmup=lambda: None) -> tuple[int, float]:
+def timed_tokens(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, after_warmup=lambda: None
+) -> tuple[int, float]:
     engine.generate([prompts[0]], params)  # warm-up
     after_warmup()
     t0 = time.perf_counter()
@@ -60,9 +61,12 @@ def main() -> None:
         with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=8192, spec=cfg), on_step=on_step) as eng:
             n, dt = timed_tokens(eng, prompts, params, after_warmup=rec.clear)
         phases = " ".join(f"{k} {1000 * statistics.mean(v):.2f}" for k, v in rec.items() if k != "accept_lengths")
-        print(f"s{steps}k{topk}n{ndt}: {n / dt:.1f} tok/s ({n / dt / plain_tps:.2f}x) accept length "
-              f"{statistics.mean(rec['accept_lengths']):.2f}, step {1000 * dt / len(rec['accept_lengths']):.2f} ms = "
-              f"{phases}", flush=True)
+        print(
+            f"s{steps}k{topk}n{ndt}: {n / dt:.1f} tok/s ({n / dt / plain_tps:.2f}x) accept length "
+            f"{statistics.mean(rec['accept_lengths']):.2f}, step {1000 * dt / len(rec['accept_lengths']):.2f} ms = "
+            f"{phases}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

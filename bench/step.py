@@ -77,8 +77,14 @@ def main() -> None:
     runner = ModelRunner(config, source, TPGroup(0, 1, torch.device("cpu")))
     ctx = args.context
     table = list(range(-(-(ctx + 64) // config.block_size)))
-    real = (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
-            cpu_kernels.ops(torch.device("cpu")))
+    real = (
+        layers.RMSNorm.forward,
+        layers.RMSNorm.after_add,
+        model.attend,
+        model.attend_rotated,
+        layers.linear,
+        cpu_kernels.ops(torch.device("cpu")),
+    )
 
     def unfused() -> None:
         model.FUSED_LAYERS = False
@@ -114,8 +120,14 @@ def main() -> None:
         variants["no AMX"] = lambda: kernels.set_qlinear_amx(False)
 
     def restore() -> None:
-        (layers.RMSNorm.forward, layers.RMSNorm.after_add, model.attend, model.attend_rotated, layers.linear,
-         cpu_kernels._module) = real
+        (
+            layers.RMSNorm.forward,
+            layers.RMSNorm.after_add,
+            model.attend,
+            model.attend_rotated,
+            layers.linear,
+            cpu_kernels._module,
+        ) = real
         model.FUSED_LAYERS = True
         if amx:
             kernels.set_qlinear_amx(True)
@@ -124,8 +136,7 @@ def main() -> None:
 
     results: dict = {}
     with torch.inference_mode():
-        runner.run_model([(i * 7919) % 40000 + 100 for i in range(ctx)], list(range(ctx)),
-                         [SeqSlice(0, ctx, table)])
+        runner.run_model([(i * 7919) % 40000 + 100 for i in range(ctx)], list(range(ctx)), [SeqSlice(0, ctx, table)])
         for rows in [int(r) for r in args.rows.split(",")]:
             ids, positions = [5] * rows, list(range(ctx, ctx + rows))
 
@@ -148,12 +159,23 @@ def main() -> None:
             one_by_one = ms.pop("unfused step")
             parts = {name.removeprefix("without ") + " ms": round(one_by_one - v, 2) for name, v in ms.items()}
             # the remainder of the unfused step: embedding, rotary, residual adds, SiLU, attention metadata, dispatch
-            results[str(rows)] = ({"step ms": full, "unfused step ms": one_by_one, "eager step ms": eager,
-                                   "torch int4 step ms": torch_int4, "no AMX step ms": no_amx} | parts
-                                  | {"rest ms": round(one_by_one - sum(parts.values()), 2)})
+            results[str(rows)] = (
+                {
+                    "step ms": full,
+                    "unfused step ms": one_by_one,
+                    "eager step ms": eager,
+                    "torch int4 step ms": torch_int4,
+                    "no AMX step ms": no_amx,
+                }
+                | parts
+                | {"rest ms": round(one_by_one - sum(parts.values()), 2)}
+            )
             print(f"rows {rows}: " + ", ".join(f"{k} {v}" for k, v in results[str(rows)].items()), flush=True)
-    out = provenance() | {"context": ctx, "unit": "ms, median; each part is the full step minus the step without it",
-                          "rows": results}
+    out = provenance() | {
+        "context": ctx,
+        "unit": "ms, median; each part is the full step minus the step without it",
+        "rows": results,
+    }
     path = result_path("step", args.machine)
     path.write_text(json.dumps(out, indent=2))
     print(f"results in {path}")

@@ -23,14 +23,35 @@ from worker.model.files import ModelSource, read_gguf
 
 FULL_HASH_LIMIT = 1 << 30  # files up to 1 GiB are hashed whole; larger ones are sampled (SAMPLES chunks)
 SAMPLES, CHUNK = 64, 1 << 20
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 # settings that only describe this node or this process: they may differ between nodes
 # (dtype, device, quantization and spec are compared in their resolved form below; the KV pool is agreed on by a
 # minimum over ranks, so its sizing may differ too)
-LOCAL_SETTINGS = {"model_path", "tokenizer_path", "served_model_name", "node_rank", "dist_init_addr", "num_threads",
-                  "startup_timeout", "dist_timeout", "mem_fraction", "max_total_tokens", "device", "dtype",
-                  "quantization", "spec", "debug_collective_trace"}
+LOCAL_SETTINGS = {
+    "model_path",
+    "tokenizer_path",
+    "served_model_name",
+    "node_rank",
+    "dist_init_addr",
+    "num_threads",
+    "startup_timeout",
+    "dist_timeout",
+    "mem_fraction",
+    "max_total_tokens",
+    "device",
+    "dtype",
+    "quantization",
+    "spec",
+    "debug_collective_trace",
+}
 
 
 class StartupMismatchError(RuntimeError):
@@ -90,8 +111,9 @@ def _tokenizer(config: EngineConfig, source: ModelSource) -> str:
     return files_digest(files) if files else "embedded in the GGUF (covered by the weights)"
 
 
-def fingerprint(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype,
-                quantization: str) -> dict[str, str]:
+def fingerprint(
+    config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype, quantization: str
+) -> dict[str, str]:
     fp = {
         "dtype": str(dtype).removeprefix("torch."),
         "device type": tp.device.type,
@@ -123,14 +145,18 @@ def _short(value: str) -> str:
 
 def _nodes(ranks: list[int], node_of: list[int]) -> str:
     nodes = sorted({node_of[r] for r in ranks})
-    return f"node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))} (rank{'s' if len(ranks) > 1 else ''} " \
-           f"{', '.join(map(str, ranks))})"
+    return (
+        f"node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))} (rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))})"
+    )
 
 
 def compare(fingerprints: list[dict[str, str]], node_of: list[int]) -> str | None:
     """None when every rank agrees; else one message naming each difference and the nodes on each side."""
-    keys = sorted({k for fp in fingerprints for k in fp}, key=lambda k: list(fingerprints[0]).index(k)
-                  if k in fingerprints[0] else 1 << 30)
+    keys = sorted(
+        {k for fp in fingerprints for k in fp},
+        key=lambda k: list(fingerprints[0]).index(k) if k in fingerprints[0] else 1 << 30,
+    )
     parts = []
     for key in keys:
         values: dict[str, list[int]] = {}

@@ -101,8 +101,12 @@ class AsyncRequest:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, on_step: Callable[[StepReport], None] | None = None,
-                 on_fatal: Callable[[Fatal], None] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_fatal: Callable[[Fatal], None] | None = None,
+    ):
         config.validate()
         self.config = config
         self.source = resolve_model(config.model_path)
@@ -152,8 +156,12 @@ class Engine:
         local = cfg.local_tp_size
         for local_rank in range(local):
             rank = cfg.node_rank * local + local_rank
-            p = ctx.Process(target=run_rank, args=(cfg, rank, local_rank, init_method, in_addr, out_addr),
-                            name=f"eaglegate-tp{rank}", daemon=True)
+            p = ctx.Process(
+                target=run_rank,
+                args=(cfg, rank, local_rank, init_method, in_addr, out_addr),
+                name=f"eaglegate-tp{rank}",
+                daemon=True,
+            )
             p.start()
             procs.append(p)
         return procs
@@ -333,8 +341,12 @@ class Engine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 timeout: float | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        timeout: float | None = None,
+    ) -> list[GenerationResult]:
         """Offline batch generation: submits every prompt at once and waits for all of them."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.encode(p) for p in prompts]
@@ -357,9 +369,16 @@ class Engine:
                     logprobs.extend(item.logprobs)
                 if item.finish_reason is not None:
                     break
-            results.append(GenerationResult(rid, prompt_ids, tokens,
-                                            self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                            item.finish_reason, logprobs))
+            results.append(
+                GenerationResult(
+                    rid,
+                    prompt_ids,
+                    tokens,
+                    self.tokenizer.decode(tokens, skip_special_tokens=True),
+                    item.finish_reason,
+                    logprobs,
+                )
+            )
         return results
 
     def add_async(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[AsyncRequest]:
@@ -369,8 +388,9 @@ class Engine:
         self.submit(requests, [h.sink for h in handles])
         return handles
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs as rank 0 produces them; leaving early aborts the request on every rank."""
         (handle,) = self.add_async([(request_id or f"req-{uuid.uuid4().hex}", prompt_ids, params)])
         try:
@@ -416,7 +436,6 @@ class Engine:
         self.shutdown()
 
 
-
 def run_follower_node(config: EngineConfig) -> int:
     """A node other than 0 in a multi-node TP group: run the local ranks until rank 0 shuts them down."""
     config.validate()
@@ -427,8 +446,11 @@ def run_follower_node(config: EngineConfig) -> int:
     procs = []
     for local_rank in range(local):
         rank = config.node_rank * local + local_rank
-        p = ctx.Process(target=run_rank, args=(config, rank, local_rank, f"tcp://{config.dist_init_addr}", "", ""),
-                        name=f"eaglegate-tp{rank}")
+        p = ctx.Process(
+            target=run_rank,
+            args=(config, rank, local_rank, f"tcp://{config.dist_init_addr}", "", ""),
+            name=f"eaglegate-tp{rank}",
+        )
         p.start()
         procs.append(p)
     wait_sentinels([p.sentinel for p in procs])

@@ -112,7 +112,6 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
 def _agree(config: EngineConfig, source, tp: TPGroup) -> None:
     """Every rank states what it will load and serve; any difference stops every rank before loading."""
 
-
     dtype = resolve_dtype(config.dtype, tp.device)
     try:
         method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)

@@ -58,14 +58,17 @@ class GuardMiddleware:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), key.encode()):
-                rejection = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                           "authentication_error", code="invalid_api_key")
+                rejection = error_response(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
         if rejection is None and self.state.draining and path.startswith("/v1/") and scope["method"] == "POST":
             rejection = error_response(503, "server is shutting down", "service_unavailable_error")
         length = headers.get(b"content-length")
         if rejection is None and length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            rejection = error_response(413, f"request body larger than {MAX_BODY_BYTES} bytes",
-                                       "invalid_request_error")
+            rejection = error_response(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
         if rejection is not None:
             return await rejection(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -83,8 +86,12 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
 
     def check_model(name: str) -> None:
         if name not in known_models:
-            raise APIError(400, f"model {name!r} is not served here; available: {settings.served_model_name}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"model {name!r} is not served here; available: {settings.served_model_name}",
+                param="model",
+                code="model_not_found",
+            )
 
     def live_engine() -> Engine:
         problem = supervisor.status()
@@ -100,23 +107,35 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         engine = supervisor.engine
         stalled = engine.stalled_for()
         if stalled > settings.stall_timeout:
-            return error_response(503, f"no engine step completed for {stalled:.0f} s with "
-                                       f"{engine.num_in_flight} requests in flight", "service_unavailable_error")
+            return error_response(
+                503,
+                f"no engine step completed for {stalled:.0f} s with {engine.num_in_flight} requests in flight",
+                "service_unavailable_error",
+            )
         return {"status": "ok"}
 
     @app.get("/engine/stats")
     async def stats():
         engine = supervisor.engine
-        return engine.stats.values | {"alive": engine.is_alive, "dead_reason": engine.dead_reason,
-                                      "restarts": supervisor.restarts, "last_failure": supervisor.last_failure}
+        return engine.stats.values | {
+            "alive": engine.is_alive,
+            "dead_reason": engine.dead_reason,
+            "restarts": supervisor.restarts,
+            "last_failure": supervisor.last_failure,
+        }
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": now(), "owned_by": "eaglegate",
-                "max_model_len": supervisor.engine.ready.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "eaglegate",
+            "max_model_len": supervisor.engine.ready.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -125,8 +144,13 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         if model not in known_models:
-            raise APIError(404, f"model {model!r} is not served here; available: {settings.served_model_name}",
-                           "not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; available: {settings.served_model_name}",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         return model_card(model)
 
     @app.post("/v1/chat/completions")
@@ -144,8 +168,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(_chat_stream(engine, req, rid, choices, include_usage, len(prompt), mode))
-        return await _collect(raw, choices, lambda evs: _chat_response(engine, req, rid, evs, len(prompt), mode,
-                                                                        choices.cached_tokens(req.n)))
+        return await _collect(
+            raw,
+            choices,
+            lambda evs: _chat_response(engine, req, rid, evs, len(prompt), mode, choices.cached_tokens(req.n)),
+        )
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request):
@@ -164,8 +191,9 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         def body(events):
             text, _, finish, n = _merge(events[0])
             content, calls = parse_calls(text, mode, chat)
-            return build.response("completed", build.items(content, calls), finish, (len(prompt), n),
-                                  choices.cached_tokens(1))
+            return build.response(
+                "completed", build.items(content, calls), finish, (len(prompt), n), choices.cached_tokens(1)
+            )
 
         return await _collect(raw, choices, body)
 
@@ -176,8 +204,10 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         prompts = completion_prompts(engine, req)
         expanded = [p for p in prompts for _ in range(req.n)]
         grammar = request_grammar(req)
-        params = [sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n, grammar)
-                  for i, p in enumerate(expanded)]
+        params = [
+            sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n, grammar)
+            for i, p in enumerate(expanded)
+        ]
         rid = new_id("cmpl")
         choices = ChoiceSet(engine, metrics, rid, expanded, params, req.stop)
         prompt_tokens = sum(len(p) for p in prompts)
@@ -185,8 +215,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(_completion_stream(engine, req, rid, choices, include_usage, prompt_tokens, echo))
-        return await _collect(raw, choices, lambda evs: _completion_response(engine, req, rid, evs, prompt_tokens,
-                                                                              echo, choices.cached_tokens(req.n)))
+        return await _collect(
+            raw,
+            choices,
+            lambda evs: _completion_response(engine, req, rid, evs, prompt_tokens, echo, choices.cached_tokens(req.n)),
+        )
 
     return app
 
@@ -215,9 +248,12 @@ async def _collect(raw: Request, choices: ChoiceSet, build) -> JSONResponse:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _token_str(engine: Engine, token_id: int) -> str:
@@ -232,8 +268,9 @@ def _chat_logprobs(engine: Engine, entries) -> dict | None:
         tok = _token_str(engine, tid)
         return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
-    return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top]}
-                        for e in entries]}
+    return {
+        "content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top]} for e in entries]
+    }
 
 
 def _completion_logprobs(engine: Engine, entries, offset: int) -> dict | None:
@@ -244,8 +281,12 @@ def _completion_logprobs(engine: Engine, entries, offset: int) -> dict | None:
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_str(engine, t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_str(engine, t): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _merge(evs: list[ChoiceEvent]) -> tuple[str, list | None, str, int]:
@@ -264,10 +305,22 @@ def _chat_response(engine, req, rid, events, prompt_tokens, mode, cached) -> dic
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
             finish = "tool_calls" if finish == "stop" else finish
-        choices.append({"index": i, "message": message,
-                        "logprobs": _chat_logprobs(engine, lps if req.logprobs else None), "finish_reason": finish})
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": req.model, "choices": choices,
-            "usage": _usage(prompt_tokens, completion, cached)}
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": _chat_logprobs(engine, lps if req.logprobs else None),
+                "finish_reason": finish,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": req.model,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion, cached),
+    }
 
 
 def _completion_response(engine, req, rid, events, prompt_tokens, echo, cached) -> dict:
@@ -275,11 +328,22 @@ def _completion_response(engine, req, rid, events, prompt_tokens, echo, cached) 
     for i in sorted(events):
         text, lps, finish, n = _merge(events[i])
         completion += n
-        choices.append({"index": i, "text": echo[i] + text, "finish_reason": finish,
-                        "logprobs": _completion_logprobs(engine, lps if req.logprobs is not None else None,
-                                                         len(echo[i]))})
-    return {"id": rid, "object": "text_completion", "created": now(), "model": req.model, "choices": choices,
-            "usage": _usage(prompt_tokens, completion, cached)}
+        choices.append(
+            {
+                "index": i,
+                "text": echo[i] + text,
+                "finish_reason": finish,
+                "logprobs": _completion_logprobs(engine, lps if req.logprobs is not None else None, len(echo[i])),
+            }
+        )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": req.model,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, completion, cached),
+    }
 
 
 # --- streaming ------------------------------------------------------------------------------------------
@@ -305,8 +369,9 @@ def _sse(chunks: AsyncIterator[dict], events: bool = False) -> StreamingResponse
         if not events:
             yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int, mode: str):
@@ -315,8 +380,13 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
     created = now()
 
     def chunk(choice_list, usage=None) -> dict:
-        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-             "choices": choice_list}
+        c = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": choice_list,
+        }
         if include_usage:
             c["usage"] = usage
         return c
@@ -324,8 +394,12 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
     def delta(index: int, d: dict, finish=None, lps=None) -> dict:
         return chunk([{"index": index, "delta": d, "logprobs": lps, "finish_reason": finish}])
 
-    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(req.n)])
+    yield chunk(
+        [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(req.n)
+        ]
+    )
     completion: dict[int, int] = {}
     text: dict[int, str] = {}
     sent: dict[int, int] = {}
@@ -339,20 +413,26 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
             continue
         full = text[i] = text.get(i, "") + ev.text
         if mode == "auto":  # send what cannot be the start of a call
-            upto = len(full) - held_back(full[sent.get(i, 0):])
+            upto = len(full) - held_back(full[sent.get(i, 0) :])
             if upto > sent.get(i, 0):
-                yield delta(i, {"content": full[sent.get(i, 0):upto]}, None, lps)
+                yield delta(i, {"content": full[sent.get(i, 0) : upto]}, None, lps)
                 sent[i] = upto
         if ev.finish_reason is None:
             continue
-        rest = full[sent.get(i, 0):]
+        rest = full[sent.get(i, 0) :]
         content, calls = parse_calls(rest if mode == "auto" else full, mode, req)
         finish = ev.finish_reason
         if content:
             yield delta(i, {"content": content})
         for k, c in enumerate(calls):
-            yield delta(i, {"tool_calls": [{"index": k, "id": c.id, "type": "function",
-                                            "function": {"name": c.name, "arguments": ""}}]})
+            yield delta(
+                i,
+                {
+                    "tool_calls": [
+                        {"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+                    ]
+                },
+            )
             yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]})
         if calls and finish == "stop":
             finish = "tool_calls"
@@ -361,8 +441,9 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
         yield chunk([], _usage(prompt_tokens, sum(completion.values()), choices.cached_tokens(req.n)))
 
 
-async def _completion_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int,
-                             echo: list[str]):
+async def _completion_stream(
+    engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int, echo: list[str]
+):
     created = now()
     completion, offsets, started = {}, {}, set()
 
@@ -401,8 +482,13 @@ async def _responses_stream(build: ResponseBuilder, chat, choices: ChoiceSet, pr
 
     def open_message():
         yield event("response.output_item.added", output_index=0, item=build.message_item("", "in_progress"))
-        yield event("response.content_part.added", item_id=build.message_id, output_index=0, content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        yield event(
+            "response.content_part.added",
+            item_id=build.message_id,
+            output_index=0,
+            content_index=0,
+            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+        )
 
     async for ev in choices.events():
         completion, finish = ev.completion_tokens, ev.finish_reason or finish
@@ -423,20 +509,27 @@ async def _responses_stream(build: ResponseBuilder, chat, choices: ChoiceSet, pr
     if opened:
         done = build.message_item(content or "")
         yield event("response.output_text.done", **item, text=content or "", logprobs=[])
-        yield event("response.content_part.done", item_id=build.message_id, output_index=0, content_index=0,
-                    part=done["content"][0])
+        yield event(
+            "response.content_part.done",
+            item_id=build.message_id,
+            output_index=0,
+            content_index=0,
+            part=done["content"][0],
+        )
         yield event("response.output_item.done", output_index=0, item=done)
         output.append(done)
     for call in calls:
         k = len(output)
         added = build.call_item(call, arguments="", status="in_progress")
         yield event("response.output_item.added", output_index=k, item=added)
-        yield event("response.function_call_arguments.delta", item_id=added["id"], output_index=k,
-                    delta=call.arguments)
-        yield event("response.function_call_arguments.done", item_id=added["id"], output_index=k,
-                    arguments=call.arguments)
+        yield event("response.function_call_arguments.delta", item_id=added["id"], output_index=k, delta=call.arguments)
+        yield event(
+            "response.function_call_arguments.done", item_id=added["id"], output_index=k, arguments=call.arguments
+        )
         output.append(build.call_item(call))
         yield event("response.output_item.done", output_index=k, item=output[-1])
     # status says "incomplete" when max_output_tokens cut it; the SDK's stream helper waits for this event either way
-    yield event("response.completed", response=build.response("completed", output, finish,
-                                                              (prompt_tokens, completion), choices.cached_tokens(1)))
+    yield event(
+        "response.completed",
+        response=build.response("completed", output, finish, (prompt_tokens, completion), choices.cached_tokens(1)),
+    )

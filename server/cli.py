@@ -22,9 +22,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="weights: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks (K-quants requantized to int4) on "
-                        "CPU in bfloat16; int4/int8 quantize any checkpoint at load; none keeps dense weights")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="weights: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks (K-quants requantized to int4) on "
+        "CPU in bfloat16; int4/int8 quantize any checkpoint at load; none keeps dense weights",
+    )
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument(
         "--mem-fraction-static",
@@ -34,14 +38,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="torch: the reference path (CPU); triton: paged kernels (GPU); auto: triton on GPUs")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA/HIP graph capture of decode and verify steps (GPU only; CPU is always eager)")
-    p.add_argument("--cuda-graph-max-rows", type=int, default=256,
-                   help="largest step (decode plus verify-tree rows) replayed from a captured graph")
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="turn off the prefix cache (a radix tree of KV blocks on rank 0)")
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="torch: the reference path (CPU); triton: paged kernels (GPU); auto: triton on GPUs",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA/HIP graph capture of decode and verify steps (GPU only; CPU is always eager)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-rows",
+        type=int,
+        default=256,
+        help="largest step (decode plus verify-tree rows) replayed from a captured graph",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn off the prefix cache (a radix tree of KV blocks on rank 0)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dist-init-addr", default=None, help="host:port of rank 0's rendezvous (multi-node)")
     p.add_argument("--nnodes", type=int, default=1)
@@ -54,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=["NONE", "EAGLE", "EAGLE3"],
         help="EAGLE takes an EAGLE-1/2 or EAGLE-3 head (its config says which); EAGLE3 insists on EAGLE-3. Default: "
-             "EAGLE3 with the shipped head for the default model, else NONE",
+        "EAGLE3 with the shipped head for the default model, else NONE",
     )
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
@@ -62,24 +80,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
     p.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
-    p.add_argument("--speculative-disable-batch-size", type=int, default=None,
-                   help="decode batches this large run without speculation (0: never; default: 9 for the "
-                        "default model's shipped head, lowered by rank 0 where its start-up timing finds a second "
-                        "verify row per sequence too dear, see SECOND_ROW_LIMIT; else 0)")
-    p.add_argument("--speculative-context-tokens", type=int, default=8,
-                   help="prompt-lookup candidates (tokens after an earlier match of the last n-gram) joined to "
-                        "each verify tree; 0: off")
+    p.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=None,
+        help="decode batches this large run without speculation (0: never; default: 9 for the "
+        "default model's shipped head, lowered by rank 0 where its start-up timing finds a second "
+        "verify row per sequence too dear, see SECOND_ROW_LIMIT; else 0)",
+    )
+    p.add_argument(
+        "--speculative-context-tokens",
+        type=int,
+        default=8,
+        help="prompt-lookup candidates (tokens after an earlier match of the last n-gram) joined to "
+        "each verify tree; 0: off",
+    )
     p.add_argument("--speculative-context-ngram", type=int, default=3, help="longest n-gram the lookup matches")
-    p.add_argument("--speculative-cost-table", default="auto",
-                   help="auto: measure verify cost at start-up and let rank 0 size each step's tree by expected "
-                        "tokens per second; PATH: a JSON cost table; off: the full tree every step")
-    p.add_argument("--speculative-draft-quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="the draft head's weights on CPU (groups of 32 through the quantized kernel): auto is int8 "
-                        "beside a quantized target, else dense (none)")
-    p.add_argument("--speculative-corpus", default="auto",
-                   help="candidates from a corpus of the target's own answers where the context has no better "
-                        "match: auto is the default model's distilled answers (speculative/answers/distilled*); "
-                        "PATH: a folder of answers-*.jsonl.gz in that format; off")
+    p.add_argument(
+        "--speculative-cost-table",
+        default="auto",
+        help="auto: measure verify cost at start-up and let rank 0 size each step's tree by expected "
+        "tokens per second; PATH: a JSON cost table; off: the full tree every step",
+    )
+    p.add_argument(
+        "--speculative-draft-quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="the draft head's weights on CPU (groups of 32 through the quantized kernel): auto is int8 "
+        "beside a quantized target, else dense (none)",
+    )
+    p.add_argument(
+        "--speculative-corpus",
+        default="auto",
+        help="candidates from a corpus of the target's own answers where the context has no better "
+        "match: auto is the default model's distilled answers (speculative/answers/distilled*); "
+        "PATH: a folder of answers-*.jsonl.gz in that format; off",
+    )
     p.add_argument(
         "--rank-consistency-check-interval",
         type=int,

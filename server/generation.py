@@ -87,8 +87,13 @@ def request_grammar(req, tool_grammar: GrammarSpec | None = None) -> GrammarSpec
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise APIError(400, "response_format json_schema needs a json_schema object", param="response_format")
-        found.append(GrammarSpec("json_schema", json.dumps(rf.json_schema.schema_ or {"type": "object"}),
-                                 param="response_format.json_schema.schema"))
+        found.append(
+            GrammarSpec(
+                "json_schema",
+                json.dumps(rf.json_schema.schema_ or {"type": "object"}),
+                param="response_format.json_schema.schema",
+            )
+        )
     if req.regex is not None:
         found.append(GrammarSpec("regex", req.regex, param="regex"))
     if req.ebnf is not None:
@@ -96,8 +101,9 @@ def request_grammar(req, tool_grammar: GrammarSpec | None = None) -> GrammarSpec
     if tool_grammar is not None:
         found.append(tool_grammar)
     if len(found) > 1:
-        raise APIError(400, "use one of response_format, regex, ebnf and a forced tool_choice, not several",
-                       param=found[1].param)
+        raise APIError(
+            400, "use one of response_format, regex, ebnf and a forced tool_choice, not several", param=found[1].param
+        )
     if not found:
         return None
     try:
@@ -114,21 +120,37 @@ def _logit_bias(req) -> tuple[tuple[int, float], ...]:
         raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from e
 
 
-def sampling_params(engine: Engine, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                    choice: int, grammar: GrammarSpec | None = None) -> SamplingParams:
+def sampling_params(
+    engine: Engine,
+    req,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    choice: int,
+    grammar: GrammarSpec | None = None,
+) -> SamplingParams:
     limit = engine.ready.max_model_len
     if prompt_len == 0:
-        raise APIError(400, "the prompt is empty", param="messages" if isinstance(req, ChatCompletionRequest)
-                       else "prompt")
+        raise APIError(
+            400, "the prompt is empty", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        )
     if prompt_len >= limit:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
-                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = limit - prompt_len
     elif prompt_len + max_tokens > limit:
-        raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
-                       f"context of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {limit} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     seed = None if req.seed is None else req.seed + choice
     params = SamplingParams(
         max_new_tokens=max_tokens,
@@ -155,8 +177,15 @@ def sampling_params(engine: Engine, req, prompt_len: int, max_tokens: int | None
 class ChoiceSet:
     """The n choices of one request (times its prompts), submitted to rank 0 as one batch."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], stop: list[str]):
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        stop: list[str],
+    ):
         self.engine, self.metrics = engine, metrics
         reqs = [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         try:
@@ -166,8 +195,10 @@ class ChoiceSet:
         except InvalidParameterError as e:
             raise APIError(400, str(e), param=e.param) from e
         now = time.monotonic()
-        self.choices = [ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop), len(ids), now)
-                        for i, (h, ids) in enumerate(zip(handles, prompts))]
+        self.choices = [
+            ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop), len(ids), now)
+            for i, (h, ids) in enumerate(zip(handles, prompts))
+        ]
 
     def cached_tokens(self, n: int) -> int:
         """Cached prompt tokens, counting each prompt once (its n choices share it)."""
@@ -208,8 +239,12 @@ class ChoiceSet:
     def _advance(self, c: ChoiceState, out: RequestOutput) -> ChoiceEvent:
         if out.error:
             bad_input = out.error_code in (ERROR_CONTEXT_LENGTH, ERROR_INVALID_GRAMMAR)
-            raise APIError(400 if bad_input else 500, out.error,
-                           "invalid_request_error" if bad_input else "internal_error", code=out.error_code)
+            raise APIError(
+                400 if bad_input else 500,
+                out.error,
+                "invalid_request_error" if bad_input else "internal_error",
+                code=out.error_code,
+            )
         now = time.monotonic()
         m, lbl = self.metrics, self.metrics.labels
         if out.token_ids:

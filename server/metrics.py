@@ -63,14 +63,21 @@ class Metrics:
         self.spec_draft_tokens = counter("spec_draft_tokens", "Draft tokens proposed for verification.")
         self.spec_accepted_tokens = counter("spec_accepted_tokens", "Draft tokens accepted by the target.")
         self.spec_verify_steps = counter("spec_verify_steps", "Verify steps (one per request and step).")
-        self.spec_source_draft = counter("spec_source_draft_tokens",
-                                         "Candidates verified, by source (eagle: the draft head; context: prompt "
-                                         "lookup; a candidate both proposed counts for both).", ["source"])
-        self.spec_source_accepted = counter("spec_source_accepted_tokens", "Candidates accepted, by source.",
-                                            ["source"])
-        self.spec_steps = counter("spec_steps", "Decode steps of speculating requests by the kind rank 0's budget "
-                                  "chose: draft (EAGLE and context), context (context candidates only), plain.",
-                                  ["kind"])
+        self.spec_source_draft = counter(
+            "spec_source_draft_tokens",
+            "Candidates verified, by source (eagle: the draft head; context: prompt "
+            "lookup; a candidate both proposed counts for both).",
+            ["source"],
+        )
+        self.spec_source_accepted = counter(
+            "spec_source_accepted_tokens", "Candidates accepted, by source.", ["source"]
+        )
+        self.spec_steps = counter(
+            "spec_steps",
+            "Decode steps of speculating requests by the kind rank 0's budget "
+            "chose: draft (EAGLE and context), context (context candidates only), plain.",
+            ["kind"],
+        )
         # cross-rank decision sync
         self.decision_sync = hist(
             "decision_sync_latency_seconds",
@@ -169,9 +176,11 @@ class Metrics:
             self.labels(self.spec_verify_steps).inc(c.verify_steps)
             self.labels(self.spec_draft_tokens).inc(c.draft_tokens)
             self.labels(self.spec_accepted_tokens).inc(c.accepted_tokens)
-            for source, drafted, accepted in (("eagle", c.eagle_tokens, c.eagle_accepted_tokens),
-                                              ("context", c.context_tokens, c.context_accepted_tokens),
-                                              ("corpus", c.corpus_tokens, c.corpus_accepted_tokens)):
+            for source, drafted, accepted in (
+                ("eagle", c.eagle_tokens, c.eagle_accepted_tokens),
+                ("context", c.context_tokens, c.context_accepted_tokens),
+                ("corpus", c.corpus_tokens, c.corpus_accepted_tokens),
+            ):
                 self.labels(self.spec_source_draft, source=source).inc(drafted)
                 self.labels(self.spec_source_accepted, source=source).inc(accepted)
             for pos, count in enumerate(m.accepted_per_position):

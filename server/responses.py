@@ -67,17 +67,27 @@ class ResponsesRequest(_Strict):
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.previous_response_id:
-        raise APIError(400, "this server keeps no responses (stateless): resend the conversation as input",
-                       param="previous_response_id")
+        raise APIError(
+            400,
+            "this server keeps no responses (stateless): resend the conversation as input",
+            param="previous_response_id",
+        )
     if req.background:
         raise APIError(400, "background responses are not supported (stateless)", param="background")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
-    body = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls}
+    body = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }
     if req.tools:
-        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                         for t in req.tools]
+        body["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in req.tools
+        ]
     choice = req.tool_choice
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -86,8 +96,10 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_ or {}}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_ or {}},
+        }
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValueError as e:
@@ -107,16 +119,24 @@ def _messages(items: list[dict]) -> list[dict]:
         if kind == "message":
             out.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id", ""), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "{}")}}
+            call = {
+                "id": item.get("call_id", ""),
+                "type": "function",
+                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "{}")},
+            }
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else json.dumps(output)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported", param="input")
     return out
@@ -137,29 +157,58 @@ class ResponseBuilder:
 
     @staticmethod
     def call_item(call: ParsedCall, arguments: str | None = None, status: str = "completed") -> dict:
-        return {"id": f"fc_{call.id.removeprefix('call_')}", "type": "function_call", "call_id": call.id,
-                "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
+        return {
+            "id": f"fc_{call.id.removeprefix('call_')}",
+            "type": "function_call",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments,
+            "status": status,
+        }
 
     def items(self, content: str | None, calls: list[ParsedCall]) -> list[dict]:
         out = [self.message_item(content)] if content else []
         return out + [self.call_item(c) for c in calls]
 
-    def response(self, status: str, output: list[dict], finish: str | None = None,
-                 usage: tuple[int, int] | None = None, cached: int = 0) -> dict:
+    def response(
+        self,
+        status: str,
+        output: list[dict],
+        finish: str | None = None,
+        usage: tuple[int, int] | None = None,
+        cached: int = 0,
+    ) -> dict:
         r = self.req
         fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else None
-        body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "model": r.model, "output": output, "error": None, "instructions": r.instructions,
-                "incomplete_details": None, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
-                "parallel_tool_calls": r.parallel_tool_calls is not False, "temperature": r.temperature,
-                "top_p": r.top_p, "tool_choice": r.tool_choice or "auto",
-                "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
-                "text": {"format": fmt or {"type": "text"}}, "usage": None}
+        body = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": r.model,
+            "output": output,
+            "error": None,
+            "instructions": r.instructions,
+            "incomplete_details": None,
+            "max_output_tokens": r.max_output_tokens,
+            "metadata": r.metadata or {},
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "tool_choice": r.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or ()],
+            "text": {"format": fmt or {"type": "text"}},
+            "usage": None,
+        }
         if finish == "length":
             body["status"] = "incomplete"
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         if usage is not None:
-            body["usage"] = {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": cached},
-                             "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
-                             "total_tokens": usage[0] + usage[1]}
+            body["usage"] = {
+                "input_tokens": usage[0],
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": usage[1],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage[0] + usage[1],
+            }
         return body

@@ -31,11 +31,22 @@ class _DrainingServer(uvicorn.Server):
         self._captured_signals.clear()  # uvicorn would re-raise it after shutdown; we stop the engine, exit 0
 
 
-def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall_timeout: float,
-          log_level: str = "info", restart_workers: bool = True) -> int:
+def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    api_key: str | None,
+    stall_timeout: float,
+    log_level: str = "info",
+    restart_workers: bool = True,
+) -> int:
     if config.node_rank > 0:
-        log.info("node %d of %d: starting local TP workers, joining %s", config.node_rank, config.nnodes,
-                 config.dist_init_addr)
+        log.info(
+            "node %d of %d: starting local TP workers, joining %s",
+            config.node_rank,
+            config.nnodes,
+            config.dist_init_addr,
+        )
         return run_follower_node(config)
     t0 = time.monotonic()
     name = config.served_model_name or config.model_path
@@ -47,15 +58,20 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None, stall
         print(f"eaglegate: failed to start: {e}", flush=True)
         return 1
     engine = supervisor.engine
-    settings = ServerSettings(served_model_name=name, model_aliases=(config.model_path,), api_key=api_key,
-                              stall_timeout=stall_timeout)
+    settings = ServerSettings(
+        served_model_name=name, model_aliases=(config.model_path,), api_key=api_key, stall_timeout=stall_timeout
+    )
     app = build_app(supervisor, settings, metrics)
-    print(f"eaglegate: loaded {config.model_path} (tp={config.tp_size}, dtype={config.dtype}, "
-          f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path) if spec.enabled else ''}) "
-          f"in {time.monotonic() - t0:.1f} s; KV pool {engine.ready.kv_total_tokens} tokens", flush=True)
+    print(
+        f"eaglegate: loaded {config.model_path} (tp={config.tp_size}, dtype={config.dtype}, "
+        f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path) if spec.enabled else ''}) "
+        f"in {time.monotonic() - t0:.1f} s; KV pool {engine.ready.kv_total_tokens} tokens",
+        flush=True,
+    )
     print(f"eaglegate: listening on http://{host}:{port} (OpenAI API at /v1)", flush=True)
-    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=GRACEFUL_SECONDS), app)
+    server = _DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SECONDS), app
+    )
     try:
         server.run()
     finally:

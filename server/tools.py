@@ -33,7 +33,7 @@ class ParsedCall:
 
 
 def tool_mode(req: ChatCompletionRequest) -> str:
-    """"none" (tools ignored), "auto", "required" or "named"."""
+    """ "none" (tools ignored), "auto", "required" or "named"."""
     if not req.tools:
         if req.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -74,9 +74,14 @@ def _role(m: ChatMessage) -> str:
 def _native_message(m: ChatMessage) -> dict:
     out = {"role": _role(m), "content": m.text()}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
-                             for c in m.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
@@ -90,8 +95,10 @@ def _builtin_message(m: ChatMessage) -> dict:
         return {"role": "user", "content": f"<tool_response{name}>\n{m.text()}\n</tool_response>"}
     text = m.text()
     if m.tool_calls:
-        calls = "\n".join(OPEN + json.dumps({"name": c.function.name, "arguments": _loads(c.function.arguments)})
-                          + CLOSE for c in m.tool_calls)
+        calls = "\n".join(
+            OPEN + json.dumps({"name": c.function.name, "arguments": _loads(c.function.arguments)}) + CLOSE
+            for c in m.tool_calls
+        )
         text = f"{text}\n{calls}" if text else calls
     return {"role": _role(m), "content": text}
 
@@ -111,8 +118,10 @@ def _tools_system_prompt(tools: list[Tool], mode: str, req: ChatCompletionReques
         ask = "Call one or more of these functions."
     else:
         ask = "Call a function only when it helps; otherwise answer normally."
-    return (f"You can call functions. {ask} To call one, write\n{OPEN}{{\"name\": <function name>, "
-            f"\"arguments\": <arguments as a JSON object>}}{CLOSE}\nFunctions:\n{listing}")
+    return (
+        f'You can call functions. {ask} To call one, write\n{OPEN}{{"name": <function name>, '
+        f'"arguments": <arguments as a JSON object>}}{CLOSE}\nFunctions:\n{listing}'
+    )
 
 
 def call_grammar(req: ChatCompletionRequest, mode: str) -> GrammarSpec | None:
@@ -122,9 +131,18 @@ def call_grammar(req: ChatCompletionRequest, mode: str) -> GrammarSpec | None:
     tools = req.tools or []
     if mode == "named":
         tools = [t for t in tools if t.function.name == req.tool_choice.function["name"]]
-    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                 "arguments": t.function.parameters or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     one = options[0] if len(options) == 1 else {"anyOf": options}
     parallel = mode == "required" and req.parallel_tool_calls is True  # explicit: small models repeat calls
     schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
@@ -159,8 +177,11 @@ def parse_calls(text: str, mode: str, req: ChatCompletionRequest) -> tuple[str |
 
 def _call(item: dict) -> ParsedCall:
     args = item.get("arguments", {})
-    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", item["name"],
-                      args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return ParsedCall(
+        f"call_{uuid.uuid4().hex[:24]}",
+        item["name"],
+        args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+    )
 
 
 def held_back(text: str) -> int:

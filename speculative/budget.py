@@ -102,15 +102,24 @@ class CostGrid:
         for c, plane in enumerate(grid):
             for b, row in enumerate(plane):
                 for r in range(len(row)):
-                    row[r] = max([row[r]] + ([row[r - 1]] if r else []) + ([plane[b - 1][r]] if b else [])
-                                 + ([grid[c - 1][b][r]] if c else []))
+                    row[r] = max(
+                        [row[r]]
+                        + ([row[r - 1]] if r else [])
+                        + ([plane[b - 1][r]] if b else [])
+                        + ([grid[c - 1][b][r]] if c else [])
+                    )
         object.__setattr__(self, "seconds", tuple(tuple(tuple(row) for row in plane) for plane in grid))
 
     def at(self, batch: int, context: float) -> CostTable:
         """The verify cost by total rows for `batch` sequences of `context` tokens on average: linear between
         and beyond the measured batches and contexts, never falling as rows grow."""
-        by_ctx = [[interpolate(self.batches, [self.seconds[c][b][r] for b in range(len(self.batches))], batch)
-                   for r in range(len(self.per_seq))] for c in range(len(self.contexts))]
+        by_ctx = [
+            [
+                interpolate(self.batches, [self.seconds[c][b][r] for b in range(len(self.batches))], batch)
+                for r in range(len(self.per_seq))
+            ]
+            for c in range(len(self.contexts))
+        ]
         seconds, floor = [], self.seconds[0][0][0]  # the cheapest cell (the grid only rises)
         for r in range(len(self.per_seq)):
             s = max(floor, interpolate(self.contexts, [by_ctx[c][r] for c in range(len(self.contexts))], context))
@@ -119,9 +128,13 @@ class CostGrid:
 
     def as_ms(self) -> dict[str, dict[str, dict[str, float]]]:
         """{"context N": {"batch B": {rows per sequence: ms}}}, for /engine/stats."""
-        return {f"context {c}": {f"batch {b}": {str(r): round(1000 * x, 3) for r, x in zip(self.per_seq, row)}
-                                 for b, row in zip(self.batches, plane)}
-                for c, plane in zip(self.contexts, self.seconds)}
+        return {
+            f"context {c}": {
+                f"batch {b}": {str(r): round(1000 * x, 3) for r, x in zip(self.per_seq, row)}
+                for b, row in zip(self.batches, plane)
+            }
+            for c, plane in zip(self.contexts, self.seconds)
+        }
 
 
 @dataclass(frozen=True)
@@ -234,8 +247,11 @@ class Calibration:
         for d in range(self.depths):
             n = sum(self.trials[d])
             if n:
-                out[d + 1] = {"observed": round(n, 1), "confidence": round(sum(self.conf[d]) / n, 4),
-                              "accepted": round(sum(self.hits[d]) / n, 4)}
+                out[d + 1] = {
+                    "observed": round(n, 1),
+                    "confidence": round(sum(self.conf[d]) / n, 4),
+                    "accepted": round(sum(self.hits[d]) / n, 4),
+                }
         return out
 
 
@@ -305,8 +321,9 @@ class Estimates:
             # drafting has found it lower (beside a chain or without one: the probe drafts for both alike)
             kinds = (DRAFT,) if min(self.eagle_gain.values()) < self.eagle_prior else ()
         now = self.steps.get(batch, 0)
-        return [k for k in kinds
-                if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)]
+        return [
+            k for k in kinds if now - self.last_run.get((k, batch), 0) >= self.probe_after.get((k, batch), PROBE_AFTER)
+        ]
 
     def chose(self, kind: str, batch: int) -> None:
         """After rank 0 picks `kind`: advance the step clock. A kind run after its probe interval waits twice as long
@@ -346,8 +363,9 @@ def context_candidates(seq: int, length: int, p: float) -> list[Candidate]:
     return [Candidate(p ** (i + 1), seq, CONTEXT, i) for i in range(length)]
 
 
-def plan_step(est: Estimates, cost: CostTable, contexts: list[list[Candidate]],
-              eagle_rows: int) -> tuple[str, list[int]]:
+def plan_step(
+    est: Estimates, cost: CostTable, contexts: list[list[Candidate]], eagle_rows: int
+) -> tuple[str, list[int]]:
     """Before drafting, the kind of step with the best expected tokens per second: DRAFT (EAGLE plus context
     candidates, sized after drafting), CONTEXT_ONLY (the returned number of context tokens per sequence), or a
     PLAIN decode step; or a speculative kind passed over for its probe interval, to measure it again
@@ -357,8 +375,11 @@ def plan_step(est: Estimates, cost: CostTable, contexts: list[list[Candidate]],
     chosen, with_context = choose(ctx, batch, cost, est.fixed(CONTEXT_ONLY, batch))
     plain = batch / (est.fixed(PLAIN, batch) + cost.verify(batch))
     # each sequence's draft rows (none where the tree has no draft level), priced beside its chain or without one
-    guessed = [Candidate(min(1.0, est.eagle_gain[bool(cs)] / eagle_rows), b, EAGLE, i)
-               for b, cs in enumerate(contexts) for i in range(eagle_rows)]
+    guessed = [
+        Candidate(min(1.0, est.eagle_gain[bool(cs)] / eagle_rows), b, EAGLE, i)
+        for b, cs in enumerate(contexts)
+        for i in range(eagle_rows)
+    ]
     _, with_draft = choose(ctx + guessed, batch, cost, est.fixed(DRAFT, batch))
     stale = est.stale(batch)
     if with_draft > max(with_context, plain) or DRAFT in stale:
@@ -377,8 +398,16 @@ def cap_eagle(cands: list[Candidate], cap: int) -> list[Candidate]:
     return out
 
 
-def worth_expanding(cands: list[Candidate], frontier: list[tuple[int, float]], k: int, cap: int, batch: int,
-                    cost: CostTable, spent_s: float, step_s: float) -> bool:
+def worth_expanding(
+    cands: list[Candidate],
+    frontier: list[tuple[int, float]],
+    k: int,
+    cap: int,
+    batch: int,
+    cost: CostTable,
+    spent_s: float,
+    step_s: float,
+) -> bool:
     """Another draft level adds at most k children under each frontier node (seq, prob), none likelier than its
     parent: expand only when even that best case beats verifying what is drafted now."""
     _, now = choose(cap_eagle(cands, cap), batch, cost, spent_s)

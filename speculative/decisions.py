@@ -55,8 +55,9 @@ class DecisionChannel:
         self.seconds: dict[str, list[float]] = {}
         self.corrupt_step = corrupt_step  # test hook (--debug-corrupt-decision): alter this step's first draft value
 
-    def sync(self, name: str, decide: Callable[[], torch.Tensor], shape: tuple[int, ...],
-             local: bool = False) -> torch.Tensor:
+    def sync(
+        self, name: str, decide: Callable[[], torch.Tensor], shape: tuple[int, ...], local: bool = False
+    ) -> torch.Tensor:
         """Rank 0 (or every rank, when `local`) calls `decide`; the others receive its [shape] int64 result."""
         if local or self.tp.is_leader:
             value = decide().to(torch.int64)
@@ -152,19 +153,33 @@ class SpecDecisions:
         frontier = [(b, math.exp(cum[b, int(j)])) for b in range(self.batch) for j in picks[b]]
         est = lead.estimates
         step_s = est.draft_time(self.batch) / max(1, self.spec.num_steps)
-        return budget.worth_expanding(cands, frontier, self.spec.eagle_topk, self.spec.num_draft_tokens - 1,
-                                      self.batch, lead.cost, est.fixed(budget.DRAFT, self.batch), step_s)
+        return budget.worth_expanding(
+            cands,
+            frontier,
+            self.spec.eagle_topk,
+            self.spec.num_draft_tokens - 1,
+            self.batch,
+            lead.cost,
+            est.fixed(budget.DRAFT, self.batch),
+            step_s,
+        )
 
     # --- what to verify -----------------------------------------------------------------------------------
     def _eagle_candidates(self, trees: list[DraftTree]) -> list[Candidate]:
         num = self.spec.num_draft_tokens - 1
-        return [Candidate(math.exp(t.scores[c]), b, budget.EAGLE, c)
-                for b, t in enumerate(trees) for c in select_candidates(t, min(num, len(t.tokens)))]
+        return [
+            Candidate(math.exp(t.scores[c]), b, budget.EAGLE, c)
+            for b, t in enumerate(trees)
+            for c in select_candidates(t, min(num, len(t.tokens)))
+        ]
 
     def _context_candidates(self, contexts: list[list[int]]) -> list[Candidate]:
         lead = self.leader
-        return [c for b, ctx in enumerate(contexts)
-                for c in budget.context_candidates(b, len(ctx), lead.estimates.context_p(lead.chain_keys[b]))]
+        return [
+            c
+            for b, ctx in enumerate(contexts)
+            for c in budget.context_candidates(b, len(ctx), lead.estimates.context_p(lead.chain_keys[b]))
+        ]
 
     def select(self, trees: list[DraftTree], contexts: list[list[int]]) -> list[Selection]:
         num = self.spec.num_draft_tokens - 1
@@ -173,14 +188,19 @@ class SpecDecisions:
         def decide():
             lead = self.leader
             if lead.cost is None:  # the full tree and every context candidate
-                chosen = [Selection(select_candidates(t, min(num, len(t.tokens))), len(c))
-                          for t, c in zip(trees, contexts)]
+                chosen = [
+                    Selection(select_candidates(t, min(num, len(t.tokens))), len(c)) for t, c in zip(trees, contexts)
+                ]
             else:
                 cands = self._eagle_candidates(trees) + self._context_candidates(contexts)
                 best, _ = budget.choose(cands, self.batch, lead.cost, lead.estimates.fixed(budget.DRAFT, self.batch))
-                chosen = [Selection(sorted(c.index for c in best if c.seq == b and c.source == budget.EAGLE),
-                                    sum(1 for c in best if c.seq == b and c.source == budget.CONTEXT))
-                          for b in range(self.batch)]
+                chosen = [
+                    Selection(
+                        sorted(c.index for c in best if c.seq == b and c.source == budget.EAGLE),
+                        sum(1 for c in best if c.seq == b and c.source == budget.CONTEXT),
+                    )
+                    for b in range(self.batch)
+                ]
             out = torch.full((self.batch, width), -1, dtype=torch.int64)
             for b, s in enumerate(chosen):
                 out[b, 0], out[b, 1] = len(s.picks), s.num_context
@@ -234,8 +254,13 @@ class SpecDecisions:
             elif p.greedy:
                 path, bonus = verify_greedy(vt, lambda node, toks, f=processed: int(torch.argmax(f(node, toks))))
             else:
-                path, bonus = verify_sampling(vt, lambda node, toks, f=processed, p=p: filter_probs(f(node, toks), p),
-                                              seq.generator, spec.accept_threshold_single, spec.accept_threshold_acc)
+                path, bonus = verify_sampling(
+                    vt,
+                    lambda node, toks, f=processed, p=p: filter_probs(f(node, toks), p),
+                    seq.generator,
+                    spec.accept_threshold_single,
+                    spec.accept_threshold_acc,
+                )
             if seq.grammar is not None:  # the walk advanced the matcher; committing the tokens advances it for real
                 seq.grammar.end_speculation()
             if p.greedy and self.leader.cost is not None:

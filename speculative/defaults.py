@@ -18,9 +18,15 @@ DEFAULT_DISABLE_BATCH_SIZE = 9
 
 
 def default_spec_config() -> SpecConfig:
-    return SpecConfig("EAGLE3", str(DEFAULT_HEAD), num_steps=DEFAULT_STEPS, eagle_topk=DEFAULT_TOPK,
-                      num_draft_tokens=DEFAULT_DRAFT_TOKENS, disable_batch_size=DEFAULT_DISABLE_BATCH_SIZE,
-                      calibrate_batch_limit=True)
+    return SpecConfig(
+        "EAGLE3",
+        str(DEFAULT_HEAD),
+        num_steps=DEFAULT_STEPS,
+        eagle_topk=DEFAULT_TOPK,
+        num_draft_tokens=DEFAULT_DRAFT_TOKENS,
+        disable_batch_size=DEFAULT_DISABLE_BATCH_SIZE,
+        calibrate_batch_limit=True,
+    )
 
 
 def resolve_spec_config(args) -> SpecConfig:
@@ -31,15 +37,20 @@ def resolve_spec_config(args) -> SpecConfig:
             algo = "EAGLE" if args.speculative_draft_model_path else "NONE"
         else:
             d = default_spec_config()
-            return SpecConfig(d.algorithm, d.draft_model_path,
-                              num_steps=args.speculative_num_steps or d.num_steps,
-                              eagle_topk=args.speculative_eagle_topk or d.eagle_topk,
-                              num_draft_tokens=args.speculative_num_draft_tokens or d.num_draft_tokens,
-                              accept_threshold_single=args.speculative_accept_threshold_single,
-                              accept_threshold_acc=args.speculative_accept_threshold_acc,
-                              disable_batch_size=d.disable_batch_size if args.speculative_disable_batch_size is None
-                              else args.speculative_disable_batch_size,
-                              calibrate_batch_limit=args.speculative_disable_batch_size is None, **_common_args(args))
+            return SpecConfig(
+                d.algorithm,
+                d.draft_model_path,
+                num_steps=args.speculative_num_steps or d.num_steps,
+                eagle_topk=args.speculative_eagle_topk or d.eagle_topk,
+                num_draft_tokens=args.speculative_num_draft_tokens or d.num_draft_tokens,
+                accept_threshold_single=args.speculative_accept_threshold_single,
+                accept_threshold_acc=args.speculative_accept_threshold_acc,
+                disable_batch_size=d.disable_batch_size
+                if args.speculative_disable_batch_size is None
+                else args.speculative_disable_batch_size,
+                calibrate_batch_limit=args.speculative_disable_batch_size is None,
+                **_common_args(args),
+            )
     algo = algo.upper()
     if algo == "NONE":
         return SpecConfig()
@@ -49,16 +60,26 @@ def resolve_spec_config(args) -> SpecConfig:
     path = args.speculative_draft_model_path
     if path is None and args.model_path == DEFAULT_MODEL:
         path = str(DEFAULT_HEAD)
-    return SpecConfig(algorithm=algo, draft_model_path=path, num_steps=steps,
-                      eagle_topk=topk, num_draft_tokens=draft,
-                      accept_threshold_single=args.speculative_accept_threshold_single,
-                      accept_threshold_acc=args.speculative_accept_threshold_acc,
-                      disable_batch_size=args.speculative_disable_batch_size or 0, **_common_args(args))
+    return SpecConfig(
+        algorithm=algo,
+        draft_model_path=path,
+        num_steps=steps,
+        eagle_topk=topk,
+        num_draft_tokens=draft,
+        accept_threshold_single=args.speculative_accept_threshold_single,
+        accept_threshold_acc=args.speculative_accept_threshold_acc,
+        disable_batch_size=args.speculative_disable_batch_size or 0,
+        **_common_args(args),
+    )
 
 
 def _common_args(args) -> dict:
     """The flags the shipped head's defaults and an explicit setting take alike: context drafts, the budget's cost
     table, the draft head's weights, the corpus."""
-    return {"context_tokens": args.speculative_context_tokens, "context_ngram": args.speculative_context_ngram,
-            "cost_table": args.speculative_cost_table, "draft_quantization": args.speculative_draft_quantization,
-            "corpus": args.speculative_corpus}
+    return {
+        "context_tokens": args.speculative_context_tokens,
+        "context_ngram": args.speculative_context_ngram,
+        "cost_table": args.speculative_cost_table,
+        "draft_quantization": args.speculative_draft_quantization,
+        "corpus": args.speculative_corpus,
+    }

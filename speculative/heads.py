@@ -81,13 +81,21 @@ def read_draft(path: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, 
         raise ModelLoadError(f"draft head fc.weight takes {fc_in} inputs; {kind} with hidden {hidden} needs {want}")
     heads = raw.get("num_attention_heads", target_cfg.num_heads)
     layer = ModelConfig(
-        architecture="llama", vocab_size=raw.get("vocab_size", target_cfg.vocab_size), hidden_size=hidden,
-        intermediate_size=raw.get("intermediate_size", target_cfg.intermediate_size), num_layers=1,
-        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", target_cfg.rms_norm_eps),
+        architecture="llama",
+        vocab_size=raw.get("vocab_size", target_cfg.vocab_size),
+        hidden_size=hidden,
+        intermediate_size=raw.get("intermediate_size", target_cfg.intermediate_size),
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads", heads),
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", target_cfg.rms_norm_eps),
         rope_theta=float(raw.get("rope_theta", target_cfg.rope_theta)),
-        max_position_embeddings=target_cfg.max_position_embeddings, tie_word_embeddings=False,
-        attention_bias=False, rope_scaling=target_cfg.rope_scaling)
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_scaling=target_cfg.rope_scaling,
+    )
     aux: tuple[int, ...] = ()
     if kind == "eagle3":
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -96,8 +104,9 @@ def read_draft(path: str | Path, target_cfg: ModelConfig) -> tuple[DraftConfig, 
         draft_vocab = state["lm_head.weight"].shape[0]
     else:
         draft_vocab = state["draft_vocab"].numel() if "draft_vocab" in state else None
-    return DraftConfig(kind, layer, "fc.bias" in state, "layers.0.input_layernorm.weight" in state, draft_vocab,
-                       aux), state
+    return DraftConfig(
+        kind, layer, "fc.bias" in state, "layers.0.input_layernorm.weight" in state, draft_vocab, aux
+    ), state
 
 
 def resolve_draft_path(path: str | None) -> Path:
@@ -173,8 +182,14 @@ class DraftHead(nn.Module):
         """Stored rows -> the feature the draft layer reads."""
         return stored if self.kind == "eagle" else self.fc(stored)
 
-    def forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        feats: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         embeds = self.target.embed_tokens(ids)
         rope = self.rope.table(positions, rope_dtype(embeds))
         feats = feats.to(embeds.dtype)
@@ -210,13 +225,17 @@ class DraftHead(nn.Module):
             if self.dcfg.fc_bias:
                 m["fc.bias"] = ("fc.bias", None)
             return m | layer_param_map("layers.0.", "layer.", input_norm=self.dcfg.input_norm)
-        m |= {"norm.weight": ("norm.weight", None), "lm_head.weight": ("lm_head.weight", None),
-              "midlayer.hidden_norm.weight": ("midlayer.hidden_norm.weight", None)}
+        m |= {
+            "norm.weight": ("norm.weight", None),
+            "lm_head.weight": ("lm_head.weight", None),
+            "midlayer.hidden_norm.weight": ("midlayer.hidden_norm.weight", None),
+        }
         return m | layer_param_map("midlayer.", "midlayer.")
 
 
-def load_draft_head(path: str | Path, target: CausalLM, tp: TPGroup, dtype: torch.dtype,
-                    max_positions: int) -> DraftHead:
+def load_draft_head(
+    path: str | Path, target: CausalLM, tp: TPGroup, dtype: torch.dtype, max_positions: int
+) -> DraftHead:
     dcfg, state = read_draft(path, target.cfg)
     if dcfg.layer.num_heads % tp.size:
         raise ModelLoadError(f"tp_size {tp.size} does not divide the draft head's {dcfg.layer.num_heads} heads")

@@ -45,9 +45,11 @@ class SpecLeader(Leader):
         self.totals = SpecCounts()
         s = config.spec
         cost = self.worker.cost
-        self.estimates = Estimates(eagle_prior=float(min(s.num_steps, s.num_draft_tokens - 1)),
-                                   calibration=Calibration(s.num_steps),
-                                   frozen=cost.overhead if cost is not None else None)
+        self.estimates = Estimates(
+            eagle_prior=float(min(s.num_steps, s.num_draft_tokens - 1)),
+            calibration=Calibration(s.num_steps),
+            frozen=cost.overhead if cost is not None else None,
+        )
         self.channel = DecisionChannel(tp)
         self.corpus = load_corpus(config) if s.context_tokens else None
 
@@ -62,8 +64,11 @@ class SpecLeader(Leader):
             more, support, match = self.corpus.draft(tokens[-MAX_MATCH:], spec.context_tokens)
             short = match < self.corpus.key_len
             key = (budget.CORPUS, -match if short else max(b for b in SUPPORT_BUCKETS if b <= max(support, 1)))
-            if more and (not ids or budget.chain_tokens(len(more), est.context_p(key))
-                         > budget.chain_tokens(len(ids), est.context_p(best[1]))):
+            if more and (
+                not ids
+                or budget.chain_tokens(len(more), est.context_p(key))
+                > budget.chain_tokens(len(ids), est.context_p(best[1]))
+            ):
                 best = more, key
         return best
 
@@ -109,9 +114,21 @@ class SpecLeader(Leader):
                 return
         self._count_step(kind)
         self.step_no += 1
-        step = SpecPlan(self.step_no, [SpecSeq(s.num_cached, list(s.block_table), s.draft_cached,
-                                               s.token_ids[s.draft_cached + 1 : s.num_cached + 1], ids, key[0])
-                                       for s, (ids, key) in zip(seqs, found)], kind == budget.DRAFT)
+        step = SpecPlan(
+            self.step_no,
+            [
+                SpecSeq(
+                    s.num_cached,
+                    list(s.block_table),
+                    s.draft_cached,
+                    s.token_ids[s.draft_cached + 1 : s.num_cached + 1],
+                    ids,
+                    key[0],
+                )
+                for s, (ids, key) in zip(seqs, found)
+            ],
+            kind == budget.DRAFT,
+        )
         self.broadcast_plan(step)
         lead = LeaderState(seqs, self.worker.head, cost, est, [key for _, key in found])
         self.channel.seconds = {}
@@ -125,22 +142,25 @@ class SpecLeader(Leader):
         self.check(step, _committed(step, result.commits) + self.channel.state())
         if cost is not None:  # a drafting step's seconds, less catching up after a stretch of other steps
             rows = sum(vt.size for vt in result.trees)
-            est.observe_step(kind, len(seqs),
-                             time.perf_counter() - started - cost.verify(rows) - result.catch_up_seconds)
+            est.observe_step(
+                kind, len(seqs), time.perf_counter() - started - cost.verify(rows) - result.catch_up_seconds
+            )
 
     def _count_step(self, kind: str) -> None:
         kinds = self.step_metrics.spec_steps
         kinds[kind] = kinds.get(kind, 0) + 1
 
-    def _apply(self, seqs: list[Sequence], step: SpecPlan, result: SpecResult,
-               chain_keys: list[tuple[int, int]]) -> None:
+    def _apply(
+        self, seqs: list[Sequence], step: SpecPlan, result: SpecResult, chain_keys: list[tuple[int, int]]
+    ) -> None:
         m, t, est = self.step_metrics, self.totals, self.estimates
         if not m.accepted_per_position:
             m.accepted_per_position = [0] * self.worker.max_depth
         per_pos = m.accepted_per_position
         off, eagle_accepted = 0, []
-        for seq, q, commit, vt, sel, key in zip(seqs, step.seqs, result.commits, result.trees, result.selections,
-                                                chain_keys):
+        for seq, q, commit, vt, sel, key in zip(
+            seqs, step.seqs, result.commits, result.trees, result.selections, chain_keys
+        ):
             tokens = [vt.tokens[node] for node in commit.path] + [commit.bonus]
             rows = None
             if seq.params.logprobs is not None:
@@ -151,15 +171,22 @@ class SpecLeader(Leader):
                 seq.draft_cached = q.ctx_len
             self.append_tokens(seq, tokens, rows)
             a = len(commit.path)
-            by_source = {src: sum(1 for node in commit.path if vt.sources[node] & src)
-                         for src in (budget.EAGLE, budget.CONTEXT, budget.CORPUS)}
-            counts = SpecCounts(verify_steps=1, drafted_steps=int(step.draft), draft_tokens=vt.size - 1,
-                                accepted_tokens=a, eagle_tokens=sum(1 for x in vt.sources if x & budget.EAGLE),
-                                eagle_accepted_tokens=by_source[budget.EAGLE],
-                                context_tokens=sum(1 for x in vt.sources if x & budget.CONTEXT),
-                                context_accepted_tokens=by_source[budget.CONTEXT],
-                                corpus_tokens=sum(1 for x in vt.sources if x & budget.CORPUS),
-                                corpus_accepted_tokens=by_source[budget.CORPUS])
+            by_source = {
+                src: sum(1 for node in commit.path if vt.sources[node] & src)
+                for src in (budget.EAGLE, budget.CONTEXT, budget.CORPUS)
+            }
+            counts = SpecCounts(
+                verify_steps=1,
+                drafted_steps=int(step.draft),
+                draft_tokens=vt.size - 1,
+                accepted_tokens=a,
+                eagle_tokens=sum(1 for x in vt.sources if x & budget.EAGLE),
+                eagle_accepted_tokens=by_source[budget.EAGLE],
+                context_tokens=sum(1 for x in vt.sources if x & budget.CONTEXT),
+                context_accepted_tokens=by_source[budget.CONTEXT],
+                corpus_tokens=sum(1 for x in vt.sources if x & budget.CORPUS),
+                corpus_accepted_tokens=by_source[budget.CORPUS],
+            )
             t.add(counts)
             m.spec.add(counts)
             m.accept_lengths.append(a + 1)

@@ -91,8 +91,9 @@ class VerifyTree:
         return torch.tensor(rows, dtype=torch.bool)
 
 
-def build_verify_tree(root_token: int, tree: DraftTree, selected: list[int], context: list[int],
-                      source: int = CONTEXT) -> VerifyTree:
+def build_verify_tree(
+    root_token: int, tree: DraftTree, selected: list[int], context: list[int], source: int = CONTEXT
+) -> VerifyTree:
     """The root, the selected draft candidates, then the chain (from `source`: the context or the corpus) merged in
     where it repeats a drafted path (a shared node is verified once and counts for both sources)."""
     node_of = {c: i + 1 for i, c in enumerate(selected)}

@@ -33,9 +33,13 @@ def verify_greedy(tree: VerifyTree, node_argmax: Callable[[int, list[int]], int]
         node = nxt
 
 
-def verify_sampling(tree: VerifyTree, node_probs: Callable[[int, list[int]], torch.Tensor],
-                    generator: torch.Generator, threshold_single: float = 1.0,
-                    threshold_acc: float = 1.0) -> tuple[list[int], int]:
+def verify_sampling(
+    tree: VerifyTree,
+    node_probs: Callable[[int, list[int]], torch.Tensor],
+    generator: torch.Generator,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> tuple[list[int], int]:
     kids = tree.children()
     node, path, tokens = 0, [], []
     while True:

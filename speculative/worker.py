@@ -66,11 +66,13 @@ def check_tree_width(spec: SpecConfig, backend: str) -> None:
     wider than that at start-up, not at the first step (or the calibration) that builds one."""
     widest = tree_width(spec)
     if backend == "triton" and widest > MAX_TREE_NODES:
-        raise ValueError(f"the speculative tree holds up to {widest} nodes (num_draft_tokens {spec.num_draft_tokens} "
-                         f"+ context tokens {spec.context_tokens}; draft levels {spec.num_steps - 1} x topk "
-                         f"{spec.eagle_topk}); the Triton attention backend takes at most {MAX_TREE_NODES}: lower "
-                         f"--speculative-num-draft-tokens or --speculative-context-tokens, or --speculative-num-steps "
-                         f"or --speculative-eagle-topk")
+        raise ValueError(
+            f"the speculative tree holds up to {widest} nodes (num_draft_tokens {spec.num_draft_tokens} "
+            f"+ context tokens {spec.context_tokens}; draft levels {spec.num_steps - 1} x topk "
+            f"{spec.eagle_topk}); the Triton attention backend takes at most {MAX_TREE_NODES}: lower "
+            f"--speculative-num-draft-tokens or --speculative-context-tokens, or --speculative-num-steps "
+            f"or --speculative-eagle-topk"
+        )
 
 
 def calibration_batches(max_running: int, disable_batch_size: int) -> tuple[int, ...]:
@@ -114,11 +116,14 @@ class SpecWorker:
         self.spec = config.spec
         check_tree_width(self.spec, runner.attention_backend)
         max_pos = runner.model.rope.cos.shape[0]
-        self.head: DraftHead = load_draft_head(resolve_draft_path(self.spec.draft_model_path), runner.model, tp,
-                                               runner.dtype, max_pos)
+        self.head: DraftHead = load_draft_head(
+            resolve_draft_path(self.spec.draft_model_path), runner.model, tp, runner.dtype, max_pos
+        )
         if self.spec.algorithm.upper() == "EAGLE3" and self.head.kind != "eagle3":
-            raise ModelLoadError(f"--speculative-algorithm EAGLE3 needs an EAGLE-3 head; {self.spec.draft_model_path} "
-                                 f"is an EAGLE-1/2 head (use EAGLE, which takes either layout)")
+            raise ModelLoadError(
+                f"--speculative-algorithm EAGLE3 needs an EAGLE-3 head; {self.spec.draft_model_path} "
+                f"is an EAGLE-1/2 head (use EAGLE, which takes either layout)"
+            )
         if runner.dtype == torch.bfloat16 and tp.device.type == "cpu":
             bits = draft_bits(self.spec.draft_quantization, runner.model)
             if bits:
@@ -128,8 +133,10 @@ class SpecWorker:
             runner.model.aux_layers = set(self.head.dcfg.aux_layers)
         slots = runner.num_blocks * runner.block_size
         shape = (slots, self.head.kv_local, self.head.head_dim)
-        self.draft_kv = (torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
-                         torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device))
+        self.draft_kv = (
+            torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
+            torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
+        )
         # the target's own activations, unfused and in its dtype: a lossless copy (heads.DraftHead.stored)
         self.features = torch.zeros(slots, self.head.stored_width, dtype=runner.dtype, device=tp.device)
         runner.on_hidden = self._store_features
@@ -180,8 +187,13 @@ class SpecWorker:
 
         # a wide batch (CALIBRATION_WIDE) is timed up to CALIBRATION_PER_SEQ's largest tree and extrapolated beyond
         # (about 10% high at 10 rows on CPU: a tree that wide rarely pays in a wide batch)
-        cases = [(c, b, r) for c in contexts for b in batches for r in per_seq
-                 if b < CALIBRATION_WIDE or r <= CALIBRATION_PER_SEQ[-1]]
+        cases = [
+            (c, b, r)
+            for c in contexts
+            for b in batches
+            for r in per_seq
+            if b < CALIBRATION_WIDE or r <= CALIBRATION_PER_SEQ[-1]
+        ]
         for case in (cases[-1], cases[0], cases[0]):  # warm-up: allocator, thread pool, packed weights
             forward(*case)
         times = {case: [] for case in cases}
@@ -199,12 +211,12 @@ class SpecWorker:
         self.features.index_copy_(0, slot_mapping, self.head.stored(hidden, aux).to(self.features.dtype))
 
     # --- forwards ---------------------------------------------------------------------------------------
-    def _draft_forward(self, ids: list[int], positions: list[int], feats: torch.Tensor,
-                       slices: list[SeqSlice]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_forward(
+        self, ids: list[int], positions: list[int], feats: torch.Tensor, slices: list[SeqSlice]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.tp.device
         meta = build_attention_metadata(slices, self.bs, dev, self.backend)
-        out = self.head(torch.tensor(ids, device=dev), feats, torch.tensor(positions, device=dev),
-                        self.draft_kv, meta)
+        out = self.head(torch.tensor(ids, device=dev), feats, torch.tensor(positions, device=dev), self.draft_kv, meta)
         return out, meta
 
     @torch.inference_mode()
@@ -215,16 +227,19 @@ class SpecWorker:
         catch_up = self._draft(step, decisions, trees, contexts) if step.draft else 0.0
         # without a draft, the plan already holds rank 0's choice of context tokens
         selections = decisions.select(trees, contexts) if step.draft else [Selection([], len(c)) for c in contexts]
-        vtrees = [build_verify_tree(q.extend_ids[-1], t, sel.picks, ctx[: sel.num_context], q.context_source)
-                  for q, t, sel, ctx in zip(step.seqs, trees, selections, contexts)]
+        vtrees = [
+            build_verify_tree(q.extend_ids[-1], t, sel.picks, ctx[: sel.num_context], q.context_source)
+            for q, t, sel, ctx in zip(step.seqs, trees, selections, contexts)
+        ]
         t1 = time.perf_counter()
         logits = self._verify_forward(step, vtrees)
         t2 = time.perf_counter()
         commits = decisions.accept(vtrees, logits, self.max_depth)
         t3 = time.perf_counter()
         self._commit_kv(step, vtrees, commits)
-        return SpecResult(commits, vtrees, selections, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2},
-                          catch_up)
+        return SpecResult(
+            commits, vtrees, selections, logits, {"draft": t1 - t0, "verify": t2 - t1, "decide": t3 - t2}, catch_up
+        )
 
     def _draft(self, step: SpecPlan, decisions: SpecDecisions, trees: list[DraftTree], contexts) -> float:
         """EAGLE drafting: catch the draft's KV up with committed tokens, then grow each tree level by level

@@ -82,8 +82,9 @@ def tiny_llama(tmp_path_factory, smol_dir) -> Path:
 
 
 def chat(engine: Engine, text: str) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 assert default_model_dir  # re-exported for tests
@@ -103,8 +104,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
@@ -156,7 +156,8 @@ API_KEY = "sk-test-eaglegate-123"
 
 @pytest.fixture(scope="session")
 def api_server(smol_dir):
-    server = ServerProcess(["--dtype", "float32", "--max-total-tokens", "16384", "--speculative-algorithm", "NONE"],
-                           api_key=API_KEY)
+    server = ServerProcess(
+        ["--dtype", "float32", "--max-total-tokens", "16384", "--speculative-algorithm", "NONE"], api_key=API_KEY
+    )
     yield server
     server.stop()

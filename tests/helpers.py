@@ -9,36 +9,79 @@ import torch
 from worker.model.files import default_model_dir
 
 
-def save_tiny_model(folder: Path, arch: str = "llama", heads: int = 4, kv_heads: int = 2, layers: int = 2,
-                    hidden: int = 64, intermediate: int = 128, vocab: int = 49152, seed: int = 0,
-                    tie: bool = False) -> Path:
+def save_tiny_model(
+    folder: Path,
+    arch: str = "llama",
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    hidden: int = 64,
+    intermediate: int = 128,
+    vocab: int = 49152,
+    seed: int = 0,
+    tie: bool = False,
+) -> Path:
     """A random model whose logits are spread wide (no near-ties), with SmolLM2's tokenizer beside it."""
     import transformers
 
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-           "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM)}[arch]
-    moe = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
-                         "decoder_sparse_step": 1, "norm_topk_prob": True},
-           # a dense middle layer, a gated shared expert, unnormalised top-k weights, q/k/v bias
-           "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
-                         "shared_expert_intermediate_size": 2 * intermediate, "mlp_only_layers": [1],
-                         "norm_topk_prob": False},
-           "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-           # GLM-4.5's shape in small: a dense first layer, 8 experts in 2 groups (top-1 group, top-2 experts), one
-           # shared expert, scaled weights, q/k/v bias, q/k norm, rotary over half of each head
-           "glm4_moe": {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate,
-                        "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
-                        "routed_scaling_factor": 2.5, "attention_bias": True, "use_qk_norm": True,
-                        "num_nextn_predict_layers": 0}}.get(arch, {})
-    cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
-                 rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **moe)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+    }[arch]
+    moe = {
+        "qwen3_moe": {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": intermediate,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        },
+        # a dense middle layer, a gated shared expert, unnormalised top-k weights, q/k/v bias
+        "qwen2_moe": {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": intermediate,
+            "shared_expert_intermediate_size": 2 * intermediate,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+        },
+        "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+        # GLM-4.5's shape in small: a dense first layer, 8 experts in 2 groups (top-1 group, top-2 experts), one
+        # shared expert, scaled weights, q/k/v bias, q/k norm, rotary over half of each head
+        "glm4_moe": {
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": intermediate,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "num_nextn_predict_layers": 0,
+        },
+    }.get(arch, {})
+    cfg = cls[0](
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        **moe,
+    )
     torch.manual_seed(seed)
     model = cls[1](cfg)
     with torch.no_grad():
@@ -94,16 +137,28 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
-def save_random_eagle_head(folder: Path, target_cfg, kind: str = "eagle", seed: int = 0, fmt: str = "safetensors",
-                           draft_vocab: int = 1024, fc_bias: bool = True) -> Path:
+def save_random_eagle_head(
+    folder: Path,
+    target_cfg,
+    kind: str = "eagle",
+    seed: int = 0,
+    fmt: str = "safetensors",
+    draft_vocab: int = 1024,
+    fc_bias: bool = True,
+) -> Path:
     """A randomly initialised draft head with the published key names and shapes (SafeAILab EAGLE / EAGLE-3)."""
     import json
 
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
-    h, heads, kv, d, inter = (target_cfg.hidden_size, target_cfg.num_heads, target_cfg.num_kv_heads,
-                              target_cfg.head_dim, target_cfg.intermediate_size)
+    h, heads, kv, d, inter = (
+        target_cfg.hidden_size,
+        target_cfg.num_heads,
+        target_cfg.num_kv_heads,
+        target_cfg.head_dim,
+        target_cfg.intermediate_size,
+    )
 
     def w(*shape):
         return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
@@ -132,10 +187,18 @@ def save_random_eagle_head(folder: Path, target_cfg, kind: str = "eagle", seed: 
     state[prefix + "mlp.down_proj.weight"] = w(h, inter)
     state[prefix + "post_attention_layernorm.weight"] = torch.ones(h)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
-              "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
-              "num_hidden_layers": 1, "rms_norm_eps": target_cfg.rms_norm_eps, "rope_theta": target_cfg.rope_theta,
-              "vocab_size": target_cfg.vocab_size, "bias": fc_bias}
+    config = {
+        "architectures": ["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": target_cfg.rope_theta,
+        "vocab_size": target_cfg.vocab_size,
+        "bias": fc_bias,
+    }
     if kind == "eagle3":
         config["draft_vocab_size"] = draft_vocab
     (folder / "config.json").write_text(json.dumps(config))

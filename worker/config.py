@@ -98,8 +98,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
         if self.spec.draft_quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"unknown draft quantization {self.spec.draft_quantization!r}; use "
-                             f"{', '.join(QUANTIZATION_CHOICES)}")
+            raise ValueError(
+                f"unknown draft quantization {self.spec.draft_quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}"
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; use auto, torch or triton")
         if self.cuda_graph_max_rows < 1:
@@ -119,8 +120,10 @@ class EngineConfig:
                 raise ValueError("speculative num_steps and eagle_topk must be >= 1, num_draft_tokens >= 2")
             candidates = s.eagle_topk + (s.num_steps - 1) * s.eagle_topk**2
             if s.num_draft_tokens - 1 > candidates:
-                raise ValueError(f"num_draft_tokens {s.num_draft_tokens} exceeds 1 + the {candidates} candidates "
-                                 f"that num_steps={s.num_steps}, topk={s.eagle_topk} propose")
+                raise ValueError(
+                    f"num_draft_tokens {s.num_draft_tokens} exceeds 1 + the {candidates} candidates "
+                    f"that num_steps={s.num_steps}, topk={s.eagle_topk} propose"
+                )
             if not 0 < s.accept_threshold_single <= 1 or not 0 < s.accept_threshold_acc <= 1:
                 raise ValueError("speculative accept thresholds must be in (0, 1]")
             if s.context_tokens < 0 or s.context_ngram < 1:

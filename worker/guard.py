@@ -32,8 +32,9 @@ def fingerprint(plan: StepPlan, committed: list[int]) -> int:
     elif isinstance(plan, SpecPlan):
         h.update(struct.pack("<q", int(plan.draft)))
         for q in plan.seqs:
-            h.update(struct.pack(f"<qqq{len(q.context_ids)}q", q.ctx_len, q.draft_cached, len(q.extend_ids),
-                                 *q.context_ids))
+            h.update(
+                struct.pack(f"<qqq{len(q.context_ids)}q", q.ctx_len, q.draft_cached, len(q.extend_ids), *q.context_ids)
+            )
     h.update(struct.pack(f"<{len(committed)}q", *committed))
     return struct.unpack("<q", h.digest())[0]
 
@@ -47,4 +48,5 @@ def check_consistency(tp: TPGroup, step: int, digest: int) -> None:
             groups.setdefault(d, []).append(r)
         parts = "; ".join(f"ranks {rs}" for rs in groups.values())
         raise RankDivergenceError(
-            f"TP ranks diverged at step {step}: their committed state differs ({parts} agree among themselves)")
+            f"TP ranks diverged at step {step}: their committed state differs ({parts} agree among themselves)"
+        )

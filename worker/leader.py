@@ -46,8 +46,9 @@ class Leader:
             pool.num_blocks * pool.block_size - self.reserve,
         )
         cache = None if config.disable_radix_cache else PrefixCache(config.block_size)
-        self.scheduler = Scheduler(pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len,
-                                   cache)
+        self.scheduler = Scheduler(
+            pool, config.max_running_requests, config.chunked_prefill_size, self.max_model_len, cache
+        )
         self.rng = torch.Generator()
         self.rng.manual_seed(config.seed)
         self.step_no = 0
@@ -56,8 +57,9 @@ class Leader:
         self.step_metrics = StepMetrics()
         self.snapshot_sent = float("-inf")  # time.monotonic() of the last report that carried a snapshot
         self.eos_ids = tuple(self.model_cfg.eos_token_ids)
-        self.grammars = Grammars(lambda: load_tokenizer(runner.source, config.tokenizer_path),
-                                 self.model_cfg.vocab_size, self.eos_ids)
+        self.grammars = Grammars(
+            lambda: load_tokenizer(runner.source, config.tokenizer_path), self.model_cfg.vocab_size, self.eos_ids
+        )
 
     @property
     def reserve(self) -> int:
@@ -102,9 +104,18 @@ class Leader:
             try:
                 seq.grammar = self.grammars.matcher(req.params.grammar)
             except Exception as e:  # noqa: BLE001 - the front end checked the syntax; the vocabulary can still refuse
-                self.outputs.append(RequestOutput(req.request_id, [], None, "error", n, 0,
-                                                  error=f"the grammar cannot be compiled: {e}",
-                                                  error_code=ERROR_INVALID_GRAMMAR))
+                self.outputs.append(
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        None,
+                        "error",
+                        n,
+                        0,
+                        error=f"the grammar cannot be compiled: {e}",
+                        error_code=ERROR_INVALID_GRAMMAR,
+                    )
+                )
                 return
         self.next_seq_id += 1
         self.scheduler.add(seq)
@@ -213,8 +224,11 @@ class Leader:
         if not self.outputs and self.step_metrics.is_empty() and not stepped:
             return None
         now = time.monotonic()
-        fresh = (not stepped or now - self.snapshot_sent >= SNAPSHOT_INTERVAL_S
-                 or any(out.finish_reason is not None for out in self.outputs))
+        fresh = (
+            not stepped
+            or now - self.snapshot_sent >= SNAPSHOT_INTERVAL_S
+            or any(out.finish_reason is not None for out in self.outputs)
+        )
         if fresh:
             self.snapshot_sent = now
         report = StepReport(self.outputs, self.snapshot() if fresh else None, self.step_metrics)
@@ -223,15 +237,24 @@ class Leader:
 
     def snapshot(self) -> EngineSnapshot:
         graphs = self.runner.graphs
-        return self.scheduler.snapshot(steps=self.step_no, time=time.time(),
-                                       graph_replays=graphs.replays if graphs is not None else 0)
+        return self.scheduler.snapshot(
+            steps=self.step_no, time=time.time(), graph_replays=graphs.replays if graphs is not None else 0
+        )
 
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.by_request.values()):
             self.scheduler.finish(seq, "error")
             self.outputs.append(
-                RequestOutput(seq.request_id, [], None, "error", seq.num_prompt, len(seq.output_ids), error=message,
-                              error_code=ERROR_ENGINE)
+                RequestOutput(
+                    seq.request_id,
+                    [],
+                    None,
+                    "error",
+                    seq.num_prompt,
+                    len(seq.output_ids),
+                    error=message,
+                    error_code=ERROR_ENGINE,
+                )
             )
 
 

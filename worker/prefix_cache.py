@@ -70,8 +70,9 @@ class PrefixCache:
             self.pinned -= node.refs == 0
             node.last_used = now
 
-    def insert(self, tokens: list[int], blocks: list[int], chain: list[Node], num_valid: int,
-               draft_valid: int) -> list[tuple[int, Node]]:
+    def insert(
+        self, tokens: list[int], blocks: list[int], chain: list[Node], num_valid: int, draft_valid: int
+    ) -> list[tuple[int, Node]]:
         """Extend `chain` (pinned, covering blocks[:len(chain)]) with the sequence's further full blocks, pinning
         each node it joins; new blocks become nodes the tree owns. A block another sequence cached meanwhile (same
         prefix prefilled at once) is returned as (index, node): the caller swaps in the node's block."""

@@ -76,22 +76,34 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         if graphs is not None:
             max_pos = config.max_model_len or self.model_cfg.max_position_embeddings
-            buffers = StaticBuffers(config.cuda_graph_max_rows, config.max_running_requests,
-                                    -(-max_pos // self.block_size), self.num_blocks, self.block_size, tp.device)
-            self.graphs = GraphRunner(self.model, self.kv, buffers, capture_sizes(config.cuda_graph_max_rows),
-                                      capture=graphs == "capture")
+            buffers = StaticBuffers(
+                config.cuda_graph_max_rows,
+                config.max_running_requests,
+                -(-max_pos // self.block_size),
+                self.num_blocks,
+                self.block_size,
+                tp.device,
+            )
+            self.graphs = GraphRunner(
+                self.model, self.kv, buffers, capture_sizes(config.cuda_graph_max_rows), capture=graphs == "capture"
+            )
 
     def _graph_mode(self) -> str | None:
-        """"capture" on CUDA/HIP with the Triton backend unless --enforce-eager; "static" for the CPU tests (the
+        """ "capture" on CUDA/HIP with the Triton backend unless --enforce-eager; "static" for the CPU tests (the
         graph path's buffers and padding without capture); None: eager. MoE routing reads expert ids on the
         host and collective traces record each call, so neither can be captured."""
         c = self.config
-        if c.enforce_eager or self.attention_backend != "triton" or self.model_cfg.num_experts \
-                or c.debug_collective_trace:
+        if (
+            c.enforce_eager
+            or self.attention_backend != "triton"
+            or self.model_cfg.num_experts
+            or c.debug_collective_trace
+        ):
             return None
         if self.tp.device.type == "cuda":
             return "capture"
         return "static" if c.debug_graph_buffers_on_cpu else None
+
     def _agree_num_blocks(self) -> int:
         """Size the pool from the token budget, or from free memory; all ranks take the minimum."""
         if self.config.max_total_tokens:
@@ -122,8 +134,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]).float()
         return self.perturb(logits), hidden, aux
 
-    def run_model(self, ids: list[int], positions: list[int], slices: list[SeqSlice]
-                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    def run_model(
+        self, ids: list[int], positions: list[int], slices: list[SeqSlice]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """The target forward for these rows: a graph replay when the step fits a captured bucket (short steps:
         decode, verify), else eager. Returns (hidden, aux hidden states, the cache slots written)."""
         if self.graphs is not None and max(s.q_len for s in slices) <= GRAPH_MAX_CHUNK:
@@ -133,8 +146,12 @@ class ModelRunner:
                 return self.graphs.run(rows, bucket)
         dev = self.tp.device
         meta = build_attention_metadata(slices, self.block_size, dev, self.attention_backend)
-        hidden, aux = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                                 torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta)
+        hidden, aux = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv,
+            meta,
+        )
         return hidden, aux, meta.slot_mapping
 
     def perturb(self, logits: torch.Tensor) -> torch.Tensor:

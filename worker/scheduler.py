@@ -85,8 +85,9 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_running: int, token_budget: int, max_model_len: int,
-                 cache: PrefixCache | None = None):
+    def __init__(
+        self, pool: BlockPool, max_running: int, token_budget: int, max_model_len: int, cache: PrefixCache | None = None
+    ):
         self.pool, self.cache = pool, cache
         self.max_running, self.token_budget, self.max_model_len = max_running, token_budget, max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -216,7 +217,7 @@ class Scheduler:
             return
         self.cache.mark_draft(seq.cache_nodes, seq.draft_cached)
         self._insert(seq)
-        self.pool.release(seq.block_table[len(seq.cache_nodes):])
+        self.pool.release(seq.block_table[len(seq.cache_nodes) :])
         self.cache.unpin(seq.cache_nodes)
         seq.block_table.clear()
         seq.cache_nodes = []
@@ -225,8 +226,14 @@ class Scheduler:
         bs = self.pool.block_size
         idle = 0 if self.cache is None else self.cache.evictable()  # cached, held by no one: free on demand
         c = self.cache.stats if self.cache is not None else None
-        return EngineSnapshot(running=len(self.running), waiting=len(self.waiting),
-                              kv_used_tokens=(self.pool.num_blocks - self.pool.num_free - idle) * bs,
-                              kv_total_tokens=self.pool.num_blocks * bs, num_preemptions=self.num_preemptions,
-                              prefix_cache=None if c is None else PrefixCacheCounts(
-                                  c.prompt_tokens, c.hit_tokens, c.cached_blocks * bs, c.evicted_blocks * bs), **more)
+        return EngineSnapshot(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_used_tokens=(self.pool.num_blocks - self.pool.num_free - idle) * bs,
+            kv_total_tokens=self.pool.num_blocks * bs,
+            num_preemptions=self.num_preemptions,
+            prefix_cache=None
+            if c is None
+            else PrefixCacheCounts(c.prompt_tokens, c.hit_tokens, c.cached_blocks * bs, c.evicted_blocks * bs),
+            **more,
+        )

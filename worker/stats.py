@@ -67,8 +67,11 @@ class EngineSnapshot:
 
     def as_dict(self) -> dict:
         """The flat JSON of `/engine/stats` (speculative counters prefixed `spec_`)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if not f.name.startswith(("spec", "prefix_cache"))}
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.name.startswith(("spec", "prefix_cache"))
+        }
         if self.prefix_cache is not None:
             out |= {f"prefix_cache_{k}": v for k, v in dataclasses.asdict(self.prefix_cache).items()}
             out["prefix_cache_hit_rate"] = self.prefix_cache.hit_rate

@@ -25,8 +25,25 @@ class Node:
     def __init__(self, rank: int, addr: str, args: list[str]):
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"eaglegate-node{rank}-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "server", "serve", "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
-               "--dist-init-addr", addr, "--port", str(self.port), "--dist-timeout", "30", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--tp-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--dist-init-addr",
+            addr,
+            "--port",
+            str(self.port),
+            "--dist-timeout",
+            "30",
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
@@ -72,11 +89,17 @@ def test_compare_names_each_difference_and_the_nodes():
 
 CASES = {
     "dtype": (["--dtype", "bfloat16"], ["--dtype", "float32"], "dtype differs"),
-    "quantization": (["--dtype", "bfloat16", "--quantization", "int4"], ["--quantization", "none"],
-                     "quantization differs"),
+    "quantization": (
+        ["--dtype", "bfloat16", "--quantization", "int4"],
+        ["--quantization", "none"],
+        "quantization differs",
+    ),
     "weights": ([], ["--model-path", "{weights}"], "weights differs"),
-    "head": (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{head0}"],
-             ["--speculative-draft-model-path", "{head1}"], "draft head differs"),
+    "head": (
+        ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "{head0}"],
+        ["--speculative-draft-model-path", "{head1}"],
+        "draft head differs",
+    ),
     "tokenizer": ([], ["--tokenizer-path", "{tokenizer}"], "tokenizer differs"),
 }
 
@@ -84,8 +107,12 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_mismatched_nodes_both_refuse_to_start(tiny_llama, variants, case):
     node0_args, node1_args, expected = CASES[case]
-    fill = {"weights": variants["weights"], "head0": variants["heads"][0], "head1": variants["heads"][1],
-            "tokenizer": variants["tokenizer"]}
+    fill = {
+        "weights": variants["weights"],
+        "head0": variants["heads"][0],
+        "head1": variants["heads"][1],
+        "tokenizer": variants["tokenizer"],
+    }
     common = ["--model-path", str(tiny_llama), "--max-total-tokens", "2048", *[a.format(**fill) for a in node0_args]]
     if "--dtype" not in common:
         common += ["--dtype", "float32"]
@@ -111,8 +138,16 @@ def test_mismatched_nodes_both_refuse_to_start(tiny_llama, variants, case):
 
 
 def test_agreeing_nodes_serve_and_stop_together(tiny_llama):
-    common = ["--model-path", str(tiny_llama), "--max-total-tokens", "2048", "--dtype", "float32",
-              "--speculative-algorithm", "NONE"]
+    common = [
+        "--model-path",
+        str(tiny_llama),
+        "--max-total-tokens",
+        "2048",
+        "--dtype",
+        "float32",
+        "--speculative-algorithm",
+        "NONE",
+    ]
     node0, node1 = _pair(common, [])
     try:
         deadline = time.monotonic() + NODE_TIMEOUT
@@ -124,9 +159,11 @@ def test_agreeing_nodes_serve_and_stop_together(tiny_llama):
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)  # polling start-up, bounded by the deadline
-        r = httpx.post(f"http://127.0.0.1:{node0.port}/v1/completions",
-                       json={"model": str(tiny_llama), "prompt": "hello", "max_tokens": 4, "temperature": 0},
-                       timeout=30)
+        r = httpx.post(
+            f"http://127.0.0.1:{node0.port}/v1/completions",
+            json={"model": str(tiny_llama), "prompt": "hello", "max_tokens": 4, "temperature": 0},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         node0.proc.send_signal(15)
         assert node0.proc.wait(timeout=30) == 0, node0.output()

@@ -56,9 +56,12 @@ def test_seeded_sampling_reproducible_across_batches(smol_engine):
     sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = smol_engine.generate([prompt], [sp])[0].token_ids
     others = _mixed_prompts(smol_engine, 6)
-    mixed = smol_engine.generate(others[:3] + [prompt] + others[3:],
-                                 [SamplingParams(max_new_tokens=10, temperature=1.0)] * 3 + [sp]
-                                 + [SamplingParams(max_new_tokens=5, temperature=0.7, seed=9)] * 3)
+    mixed = smol_engine.generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(max_new_tokens=10, temperature=1.0)] * 3
+        + [sp]
+        + [SamplingParams(max_new_tokens=5, temperature=0.7, seed=9)] * 3,
+    )
     assert mixed[3].token_ids == alone
     other_seed = smol_engine.generate([prompt], [SamplingParams(max_new_tokens=24, temperature=0.9, seed=99)])[0]
     assert other_seed.token_ids != alone
@@ -68,17 +71,18 @@ def test_sampling_controls(smol_engine):
     prompt = smol_engine.encode("List some fruits: apple, banana,")
     # top_k=1 is greedy whatever the temperature
     greedy = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
-    k1 = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=3,
-                                                       ignore_eos=True))[0]
+    k1 = smol_engine.generate(
+        [prompt], SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
+    )[0]
     assert k1.token_ids == greedy.token_ids
     # a strong repetition penalty changes a greedy continuation that repeats tokens
-    pen = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.8,
-                                                        ignore_eos=True))[0]
+    pen = smol_engine.generate(
+        [prompt], SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.8, ignore_eos=True)
+    )[0]
     assert pen.token_ids != greedy.token_ids
     # stop token ids end generation on that token
     stop_at = greedy.token_ids[5]
-    cut = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0,
-                                                        stop_token_ids=(stop_at,)))[0]
+    cut = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop_at,)))[0]
     assert cut.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
     assert cut.finish_reason == "stop"
     # logprobs: the chosen token's logprob plus top alternatives, greedy picks the top one
@@ -89,13 +93,24 @@ def test_sampling_controls(smol_engine):
         assert entry.logprob <= 0 and abs(entry.logprob - entry.top[0][1]) < 1e-5
 
 
-@pytest.mark.parametrize("field,value,param", [
-    ("temperature", -0.5, "temperature"), ("temperature", float("nan"), "temperature"),
-    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -3, "top_k"), ("min_p", 2.0, "min_p"),
-    ("max_new_tokens", 0, "max_tokens"), ("repetition_penalty", 0.0, "repetition_penalty"),
-    ("presence_penalty", 3.0, "presence_penalty"), ("frequency_penalty", float("inf"), "frequency_penalty"),
-    ("seed", -1, "seed"), ("logprobs", 50, "top_logprobs"), ("stop_token_ids", (10**9,), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("temperature", -0.5, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -3, "top_k"),
+        ("min_p", 2.0, "min_p"),
+        ("max_new_tokens", 0, "max_tokens"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("presence_penalty", 3.0, "presence_penalty"),
+        ("frequency_penalty", float("inf"), "frequency_penalty"),
+        ("seed", -1, "seed"),
+        ("logprobs", 50, "top_logprobs"),
+        ("stop_token_ids", (10**9,), "stop_token_ids"),
+    ],
+)
 def test_invalid_sampling_params_rejected(smol_engine, field, value, param):
     with pytest.raises(InvalidParameterError) as err:
         smol_engine.generate([[1, 2, 3]], SamplingParams(**{field: value}))
@@ -112,7 +127,6 @@ def test_prompt_beyond_context_fails_cleanly(smol_dir):
         assert eng.generate([[5] * 10], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
 
 
-
 def test_stats_snapshots_are_rate_limited_and_fresh_when_a_request_ends(smol_dir):
     """Rank 0 sends its stats snapshot with a step's report at most every SNAPSHOT_INTERVAL_S (a snapshot every step
     cost 2.5% of decode speed), but always with a finished request, so stats read after generate() are current."""
@@ -121,8 +135,10 @@ def test_stats_snapshots_are_rate_limited_and_fresh_when_a_request_ends(smol_dir
     reports = []
     # bfloat16: steps of a few ms (float32's eager steps take longer than the interval, so each would carry one)
     with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=4096), on_step=reports.append) as eng:
-        out = eng.generate([eng.encode("Count from one to fifty in words.")],
-                           SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))[0]
+        out = eng.generate(
+            [eng.encode("Count from one to fifty in words.")],
+            SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True),
+        )[0]
         final = eng.stats.snapshot
     assert len(out.token_ids) == 40
     finished = [r for r in reports if any(o.finish_reason for o in r.outputs)]

@@ -17,8 +17,12 @@ from worker.model.loader import load_target
 
 
 def _load(path) -> None:
-    load_target(EngineConfig(model_path=str(path)), resolve_model(str(path)), single_rank_group(torch.device("cpu")),
-                torch.float32)
+    load_target(
+        EngineConfig(model_path=str(path)),
+        resolve_model(str(path)),
+        single_rank_group(torch.device("cpu")),
+        torch.float32,
+    )
 
 
 @pytest.fixture()

@@ -68,8 +68,14 @@ def _save_moe(arch: str, tmp_path_factory) -> Path:
 
 def _greedy(folder: Path, tp: int = 1, **kw) -> tuple[list[list[int]], list]:
     trace = kw.pop("trace", None)
-    cfg = EngineConfig(model_path=str(folder), dtype="float32", tp_size=tp, max_total_tokens=1024,
-                       debug_collective_trace=str(trace) if trace else None, **kw)
+    cfg = EngineConfig(
+        model_path=str(folder),
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=1024,
+        debug_collective_trace=str(trace) if trace else None,
+        **kw,
+    )
     with Engine(cfg) as eng:
         return [r.token_ids for r in eng.generate(PROMPTS, GREEDY)]
 
@@ -78,20 +84,24 @@ def test_logits_and_greedy_match_transformers(moe_model, moe_reference):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(moe_model), dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model_path=str(moe_model), dtype="float32", max_total_tokens=256),
-                         resolve_model(str(moe_model)), single_rank_group(torch.device("cpu")))
+    runner = ModelRunner(
+        EngineConfig(model_path=str(moe_model), dtype="float32", max_total_tokens=256),
+        resolve_model(str(moe_model)),
+        single_rank_group(torch.device("cpu")),
+    )
     cfg = runner.model_cfg
     assert cfg.num_experts in (4, 8) and cfg.moe_layers
     ids = PROMPTS[0]
-    logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))],
-                                              list(range(len(ids)))))
+    logits, _, _ = runner.forward(
+        ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))], list(range(len(ids))))
+    )
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-4
     for ids, out in zip(PROMPTS, moe_reference):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
-        assert out == ref[0, len(ids):].tolist()
+        assert out == ref[0, len(ids) :].tolist()
 
 
 def _routing(folder: Path) -> list[list]:
@@ -117,8 +127,14 @@ def test_tp4_matches_tp1_and_routing_agrees_under_router_noise(glm_moe, tmp_path
 def test_routing_on_every_rank_is_what_diverges(glm_moe, tmp_path):
     """The negative control: without rank 0's broadcast, noisy router logits route differently per rank."""
     try:
-        _greedy(glm_moe[0], 2, debug_rank_router_noise=5.0, debug_skip_decision_broadcast=True,
-                rank_consistency_check_interval=0, trace=tmp_path)
+        _greedy(
+            glm_moe[0],
+            2,
+            debug_rank_router_noise=5.0,
+            debug_skip_decision_broadcast=True,
+            rank_consistency_check_interval=0,
+            trace=tmp_path,
+        )
     except Exception:  # noqa: BLE001 - mismatched halves may also trip other checks; the trace is the evidence
         pass
     routing = _routing(tmp_path)
@@ -155,16 +171,22 @@ def test_int4_weights_keep_the_router_exact(moe_model):
     """--quantization int4 packs the experts but never the router: routing reads float32 weights as stored."""
     from safetensors.torch import load_file
 
-    runner = ModelRunner(EngineConfig(model_path=str(moe_model), dtype="bfloat16", quantization="int4",
-                                      max_total_tokens=256), resolve_model(str(moe_model)),
-                         single_rank_group(torch.device("cpu")))
+    runner = ModelRunner(
+        EngineConfig(model_path=str(moe_model), dtype="bfloat16", quantization="int4", max_total_tokens=256),
+        resolve_model(str(moe_model)),
+        single_rank_group(torch.device("cpu")),
+    )
     layer = runner.model_cfg.moe_layers[0]
     gate = runner.model.layers[layer].mlp.gate.weight
-    stored = {k: v for k, v in load_file(moe_model / "model.safetensors").items()
-              if k in (f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.block_sparse_moe.gate.weight")}
+    stored = {
+        k: v
+        for k, v in load_file(moe_model / "model.safetensors").items()
+        if k in (f"model.layers.{layer}.mlp.gate.weight", f"model.layers.{layer}.block_sparse_moe.gate.weight")
+    }
     assert len(stored) == 1 and gate.dtype == torch.float32 and torch.equal(gate, next(iter(stored.values())).float())
     assert runner.model.layers[layer].mlp.experts[0].down_proj.qweight is not None
     ids = PROMPTS[0]
-    logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))],
-                                              list(range(len(ids)))))
+    logits, _, _ = runner.forward(
+        ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))], list(range(len(ids))))
+    )
     assert torch.isfinite(logits).all()

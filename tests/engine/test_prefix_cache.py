@@ -12,12 +12,16 @@ from speculative.defaults import DEFAULT_HEAD
 from worker.config import EngineConfig, SpecConfig
 from worker.sampling.params import SamplingParams
 
-SYSTEM = ("You are a careful assistant for a travel company. Answer in one or two short sentences, name concrete "
-          "places, and never invent prices. If a question is unclear, ask one clarifying question.")
+SYSTEM = (
+    "You are a careful assistant for a travel company. Answer in one or two short sentences, name concrete "
+    "places, and never invent prices. If a question is unclear, ask one clarifying question."
+)
 
 
-CONVERSATIONS = [["Where should I go in Italy in spring?", "What about food there?", "And how do I get around?"],
-                 ["Suggest a weekend trip from Paris.", "Is it good for children?", "What should I pack?"]]
+CONVERSATIONS = [
+    ["Where should I go in Italy in spring?", "What about food there?", "And how do I get around?"],
+    ["Suggest a weekend trip from Paris.", "Is it good for children?", "What should I pack?"],
+]
 
 
 TURN = SamplingParams(max_new_tokens=12, temperature=0)

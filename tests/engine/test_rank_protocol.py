@@ -22,10 +22,13 @@ def _with_head(model, root):
 @pytest.fixture(scope="module")
 def models(tiny_llama, tmp_path_factory):
     """tp -> (model, copy head): 8 heads split over 2 ranks, 6 heads (3 KV heads) over 3."""
-    tiny6 = save_tiny_model(tmp_path_factory.mktemp("tiny6") / "m", "llama", heads=6, kv_heads=3, hidden=96,
-                            intermediate=192)
-    return {2: _with_head(tiny_llama, tmp_path_factory.mktemp("t2")),
-            3: _with_head(tiny6, tmp_path_factory.mktemp("t3"))}
+    tiny6 = save_tiny_model(
+        tmp_path_factory.mktemp("tiny6") / "m", "llama", heads=6, kv_heads=3, hidden=96, intermediate=192
+    )
+    return {
+        2: _with_head(tiny_llama, tmp_path_factory.mktemp("t2")),
+        3: _with_head(tiny6, tmp_path_factory.mktemp("t3")),
+    }
 
 
 def _spec(head) -> SpecConfig:  # the served budget (auto) and context drafts, a small tree
@@ -39,11 +42,20 @@ def test_every_rank_runs_the_same_collective_sequence(models, tmp_path, tp):
     model, head = models[tp]
     trace = tmp_path / f"trace-tp{tp}"
     trace.mkdir()
-    cfg = EngineConfig(model_path=str(model), dtype="float32", tp_size=tp, max_total_tokens=320,
-                       chunked_prefill_size=32, spec=_spec(head), debug_collective_trace=str(trace))
+    cfg = EngineConfig(
+        model_path=str(model),
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=320,
+        chunked_prefill_size=32,
+        spec=_spec(head),
+        debug_collective_trace=str(trace),
+    )
     prompts = [[5, 6, 7, 8] * 3, [100, 200, 300], [9] * 10, list(range(40, 70)), [11, 12, 11, 12, 11], [3, 4, 5]]
-    params = [SamplingParams(max_new_tokens=40, temperature=0 if i % 2 else 0.9, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     with Engine(cfg) as eng:
         q: queue.SimpleQueue = queue.SimpleQueue()
         eng.submit([("doomed", [7] * 20, SamplingParams(max_new_tokens=500, ignore_eos=True))], [_Sink(q.put)])
@@ -63,14 +75,20 @@ def test_every_rank_runs_the_same_collective_sequence(models, tmp_path, tp):
 
 def test_a_corrupted_follower_decision_is_caught_at_that_step(models):
     tiny_llama, head = models[2]
-    cfg = EngineConfig(model_path=str(tiny_llama), dtype="float32", tp_size=2, max_total_tokens=2048,
-                       spec=SpecConfig("EAGLE", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=5,
-                                       cost_table="off"),
-                       debug_corrupt_decision=6, dist_timeout=30)
+    cfg = EngineConfig(
+        model_path=str(tiny_llama),
+        dtype="float32",
+        tp_size=2,
+        max_total_tokens=2048,
+        spec=SpecConfig("EAGLE", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=5, cost_table="off"),
+        debug_corrupt_decision=6,
+        dist_timeout=30,
+    )
     eng = Engine(cfg)
     try:
         with pytest.raises(EngineDeadError, match=r"RankDivergenceError: TP ranks diverged at step 6\b"):
-            eng.generate([[5, 6, 7, 8] * 3], SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True),
-                         timeout=60)
+            eng.generate(
+                [[5, 6, 7, 8] * 3], SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True), timeout=60
+            )
     finally:
         eng.shutdown()

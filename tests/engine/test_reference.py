@@ -49,7 +49,7 @@ def test_greedy_continuation_matches_transformers_generate(hf_smol, smol_engine)
     for text in [chat(smol_engine, "Write a short story about a dragon who learns to bake."), PROMPTS[2]]:
         ids = tok.encode(text, add_special_tokens=False)
         with torch.no_grad():
-            ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+            ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids) :].tolist()
         ours = smol_engine.generate([ids], SamplingParams(max_new_tokens=64, temperature=0))[0]
         assert ours.token_ids == ref
         assert len(ref) == 64 or ref[-1] in smol_engine.model_cfg.eos_token_ids
@@ -65,8 +65,9 @@ def test_other_families_match_transformers(tmp_path, smol_dir):
         runner = _runner(EngineConfig(model_path=str(folder), dtype="float32", max_total_tokens=256))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         ids = [5, 17, 400, 9000, 12, 77, 3]
-        logits, _, _ = runner.forward(ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))],
-                                               list(range(len(ids)))))
+        logits, _, _ = runner.forward(
+            ForwardPlan(1, ids, [(0, len(ids), list(range(runner.num_blocks)))], list(range(len(ids))))
+        )
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]
         rel = ((logits - ref).abs().max() / ref.abs().max()).item()

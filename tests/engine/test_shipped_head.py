@@ -12,8 +12,12 @@ from speculative.defaults import DEFAULT_HEAD, resolve_spec_config
 from worker.config import EngineConfig
 from worker.sampling.params import SamplingParams
 
-QUESTIONS = ["Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
-             "What are three tips for staying healthy?", "Describe how a bicycle works."]
+QUESTIONS = [
+    "Explain why the sky is blue.",
+    "Write a short story about a robot who learns to paint.",
+    "What are three tips for staying healthy?",
+    "Describe how a bicycle works.",
+]
 
 
 def _cli(*argv: str) -> argparse.Namespace:
@@ -40,9 +44,20 @@ def test_shipped_head_accepts_more_than_one_and_three_quarter_tokens_per_step(sm
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
     # the head's own quality on a fixed 5-step, top-4, 12-token tree, every step, no context candidates (a random
     # head accepts ~1.0 here); the served default drafts one token and lets rank 0 size each step
-    spec = resolve_spec_config(_cli("--speculative-num-steps", "5", "--speculative-eagle-topk", "4",
-                                    "--speculative-num-draft-tokens", "12", "--speculative-cost-table", "off",
-                                    "--speculative-context-tokens", "0"))
+    spec = resolve_spec_config(
+        _cli(
+            "--speculative-num-steps",
+            "5",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "12",
+            "--speculative-cost-table",
+            "off",
+            "--speculative-context-tokens",
+            "0",
+        )
+    )
     assert spec.draft_model_path == str(DEFAULT_HEAD)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
         out = [eng.generate([p], params)[0].token_ids for p in prompts]  # batch 1, as served

@@ -1,6 +1,5 @@
 """Rank 0's cost-aware tree and the free context and corpus drafts in a real engine: output never changes."""
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +18,10 @@ from worker.model.config import load_model_config
 from worker.model.files import resolve_model
 from worker.sampling.params import SamplingParams
 
-PASSAGE = ("The old lighthouse stood on the rocky cliff for more than a hundred years. Every night its keeper climbed "
-           "the narrow stairs to light the lamp, and every morning he wrote the weather in a small blue book.")
+PASSAGE = (
+    "The old lighthouse stood on the rocky cliff for more than a hundred years. Every night its keeper climbed "
+    "the narrow stairs to light the lamp, and every morning he wrote the weather in a small blue book."
+)
 FLAT = {"verify_seconds": {"1": 0.01, "64": 0.01}}  # verifying is free: every candidate pays
 STEEP = {"verify_seconds": {"1": 0.01, "2": 1.0}}  # a second row costs 100 steps: nothing pays
 
@@ -31,8 +32,9 @@ def _greedy(n: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def copy_head(tmp_path_factory, smol_dir):
-    return save_copy_eagle_head(tmp_path_factory.mktemp("copy-head"),
-                                load_model_config(resolve_model("smollm2-135m-instruct")))
+    return save_copy_eagle_head(
+        tmp_path_factory.mktemp("copy-head"), load_model_config(resolve_model("smollm2-135m-instruct"))
+    )
 
 
 def _table(tmp_path, data: dict) -> str:
@@ -45,12 +47,19 @@ def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_pat
     prompts = [smol_engine.encode(p) for p in ["A A A A A A A A", "The capital of France is", "1 2 3 1 2 3 1 2"]]
     params = [SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)] * len(prompts)
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
-    spec = dataclasses.replace(default_spec_config(), algorithm="EAGLE", draft_model_path=str(copy_head), num_steps=3,
-                               eagle_topk=2, num_draft_tokens=6)
+    spec = dataclasses.replace(
+        default_spec_config(),
+        algorithm="EAGLE",
+        draft_model_path=str(copy_head),
+        num_steps=3,
+        eagle_topk=2,
+        num_draft_tokens=6,
+    )
     stats = {}
     for name, table in (("steep", STEEP), ("flat", FLAT)):
-        cfg = EngineConfig(dtype="float32", max_total_tokens=4096,
-                           spec=dataclasses.replace(spec, cost_table=_table(tmp_path, table)))
+        cfg = EngineConfig(
+            dtype="float32", max_total_tokens=4096, spec=dataclasses.replace(spec, cost_table=_table(tmp_path, table))
+        )
         with Engine(cfg) as eng:
             assert [r.token_ids for r in eng.generate(prompts, params)] == ref
             stats[name] = dict(eng.stats.values)
@@ -72,8 +81,10 @@ def test_context_drafts_copy_a_passage_several_tokens_a_step(smol_engine, tmp_pa
         s = eng.stats.values
     assert out == ref
     per_step = s["spec_accepted_tokens"] / s["spec_verify_steps"]
-    print(f"tp={tp}: {per_step:.2f} accepted tokens per step, {s['spec_context_accepted_tokens']} from the context, "
-          f"{s['spec_eagle_accepted_tokens']} from EAGLE")
+    print(
+        f"tp={tp}: {per_step:.2f} accepted tokens per step, {s['spec_context_accepted_tokens']} from the context, "
+        f"{s['spec_eagle_accepted_tokens']} from EAGLE"
+    )
     assert per_step >= 3
     assert s["spec_context_accepted_tokens"] > s["spec_eagle_accepted_tokens"]
 
@@ -96,7 +107,9 @@ def test_corpus_drafts_an_answer_the_target_gave_before(smol_engine, tmp_path):
         out = eng.generate([prompt], _greedy(48))[0].token_ids
         s = eng.stats.values
     assert out == ref
-    print(f"{s['spec_accepted_tokens'] / s['spec_verify_steps']:.2f} accepted tokens per step, "
-          f"{s['spec_corpus_accepted_tokens']} from the corpus, {s['spec_eagle_accepted_tokens']} from EAGLE")
+    print(
+        f"{s['spec_accepted_tokens'] / s['spec_verify_steps']:.2f} accepted tokens per step, "
+        f"{s['spec_corpus_accepted_tokens']} from the corpus, {s['spec_eagle_accepted_tokens']} from EAGLE"
+    )
     assert s["spec_corpus_accepted_tokens"] >= 30
     assert s["spec_accepted_tokens"] / s["spec_verify_steps"] >= 3

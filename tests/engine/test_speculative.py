@@ -20,8 +20,14 @@ from worker.model.files import ModelLoadError, resolve_model
 from worker.sampling.params import SamplingParams
 
 # repetitive prompts make the copy head's drafts accepted (multi-token commits), the others mostly rejected
-PROMPTS = ["A A A A A A A A A A A A", "1 1 1 1 1 1 1 1 1 1 1 1 1", "The capital of France is", "ha ha ha ha ha ha",
-           "Write a list of colors: red, green,", "x x x x x x x x"]
+PROMPTS = [
+    "A A A A A A A A A A A A",
+    "1 1 1 1 1 1 1 1 1 1 1 1 1",
+    "The capital of France is",
+    "ha ha ha ha ha ha",
+    "Write a list of colors: red, green,",
+    "x x x x x x x x",
+]
 LENGTHS = [40, 33, 20, 17, 25, 9]  # finishes land inside accepted runs too
 
 
@@ -31,8 +37,14 @@ def _greedy(n: int) -> SamplingParams:
 
 def _spec(head, topk: int, algo: str = "EAGLE", steps: int = 4) -> SpecConfig:
     """The full tree on every step (no cost-aware budget, tested in test_spec_budget.py), so each step drafts."""
-    return SpecConfig(algo, str(head), num_steps=steps, eagle_topk=topk, num_draft_tokens=steps + 1 if topk == 1 else 8,
-                      cost_table="off")
+    return SpecConfig(
+        algo,
+        str(head),
+        num_steps=steps,
+        eagle_topk=topk,
+        num_draft_tokens=steps + 1 if topk == 1 else 8,
+        cost_table="off",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +95,13 @@ def test_tiny_llama_tp2_speculative_matches_tp1_plain(tiny_llama, tmp_path):
     with Engine(EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048)) as eng:
         ref = [r.token_ids for r in eng.generate(prompts, params)]
     for topk in (1, 2):
-        cfg = EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, tp_size=2,
-                           spec=_spec(head, topk, steps=3))
+        cfg = EngineConfig(
+            model_path=str(tiny_llama),
+            dtype="float32",
+            max_total_tokens=2048,
+            tp_size=2,
+            spec=_spec(head, topk, steps=3),
+        )
         with Engine(cfg) as eng:
             assert [r.token_ids for r in eng.generate(prompts, params)] == ref
             assert eng.stats.values["kv_used_tokens"] == 0
@@ -127,15 +144,23 @@ NOISE = 3.0
 
 
 def _noisy(tiny_llama, head, **kw) -> EngineConfig:
-    return EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, tp_size=kw.pop("tp", 2),
-                        debug_rank_logit_noise=NOISE, dist_timeout=30, **kw)
+    return EngineConfig(
+        model_path=str(tiny_llama),
+        dtype="float32",
+        max_total_tokens=4096,
+        tp_size=kw.pop("tp", 2),
+        debug_rank_logit_noise=NOISE,
+        dist_timeout=30,
+        **kw,
+    )
 
 
 def test_rank_noise_with_broadcast_stays_consistent(tiny_llama, tmp_path):
     head = save_random_eagle_head(tmp_path / "h", load_model_config(resolve_model(str(tiny_llama))), "eagle")
     prompts = [[i + 3, 2 * i + 5, 7, 11] for i in range(12)]
-    params = [SamplingParams(max_new_tokens=20, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-              for i in range(12)]
+    params = [
+        SamplingParams(max_new_tokens=20, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True) for i in range(12)
+    ]
     for spec in (_spec(head, 2, steps=3), SpecConfig()):
         with Engine(_noisy(tiny_llama, head, spec=spec)) as eng:
             out = eng.generate(prompts, params)
@@ -145,8 +170,14 @@ def test_rank_noise_with_broadcast_stays_consistent(tiny_llama, tmp_path):
 
 
 def test_rank_noise_tp3_smollm2_stays_consistent(copy_head):
-    cfg = EngineConfig(dtype="float32", max_total_tokens=2048, tp_size=3, debug_rank_logit_noise=NOISE,
-                       spec=_spec(copy_head, 1, steps=3), dist_timeout=60)
+    cfg = EngineConfig(
+        dtype="float32",
+        max_total_tokens=2048,
+        tp_size=3,
+        debug_rank_logit_noise=NOISE,
+        spec=_spec(copy_head, 1, steps=3),
+        dist_timeout=60,
+    )
     with Engine(cfg) as eng:
         out = eng.generate([eng.encode(p) for p in PROMPTS[:3]], [_greedy(8)] * 3)
         assert all(len(r.token_ids) == 8 for r in out) and eng.stats.values["rank_divergences"] == 0
@@ -214,8 +245,9 @@ def test_published_head_layouts_load(tmp_path, smol_cfg, kind, fmt):
     from worker.dist import single_rank_group
     from worker.model.loader import load_target
 
-    target, _ = load_target(EngineConfig(), resolve_model("smollm2-135m-instruct"),
-                            single_rank_group(torch.device("cpu")), torch.float32)
+    target, _ = load_target(
+        EngineConfig(), resolve_model("smollm2-135m-instruct"), single_rank_group(torch.device("cpu")), torch.float32
+    )
     loaded = load_draft_head(head, target, single_rank_group(torch.device("cpu")), torch.float32, 512)
     assert torch.equal(loaded.fc.weight, state["fc.weight"])
 
@@ -240,8 +272,7 @@ def test_wrong_head_gives_clear_errors(tmp_path, smol_cfg):
     with pytest.raises(ModelLoadError, match="neither model.safetensors nor pytorch_model.bin"):
         read_draft(head, smol_cfg)
     with pytest.raises(EngineDeadError, match="draft head path"):
-        Engine(EngineConfig(dtype="float32", max_total_tokens=512,
-                            spec=SpecConfig("EAGLE", str(tmp_path / "missing"))))
+        Engine(EngineConfig(dtype="float32", max_total_tokens=512, spec=SpecConfig("EAGLE", str(tmp_path / "missing"))))
     eagle12 = save_random_eagle_head(tmp_path / "e12", smol_cfg, "eagle")
     with pytest.raises(EngineDeadError, match="EAGLE3 needs an EAGLE-3 head"):
         Engine(EngineConfig(dtype="float32", max_total_tokens=512, spec=SpecConfig("EAGLE3", str(eagle12))))
@@ -276,7 +307,8 @@ def test_draft_head_runs_int8_beside_a_quantized_target():
         a, b = dense.logits(x), head.logits(x)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert ((a - b).abs().max() / a.abs().max()) < 0.05
-    # the quantized draft layer runs as one kernel call (worker/model/causal_lm.py) with the bits of its ops called one by one
+    # the quantized draft layer runs as one kernel call (worker/model/causal_lm.py) with the bits of its ops called
+    # one by one
     import worker.model.causal_lm as model_mod
     from worker.model.attention import build_attention_metadata
     from worker.model.seq_slice import SeqSlice

@@ -21,8 +21,11 @@ WORDS = ["city", "score", "label", "owner", "color", "size", "kind", "count", "t
 
 
 def _leaf(rng: random.Random, depth: int) -> dict:
-    kind = rng.choice(["string", "integer", "number", "enum", "boolean", "array", "object"] if depth < 2
-                      else ["string", "integer", "number", "enum", "boolean"])
+    kind = rng.choice(
+        ["string", "integer", "number", "enum", "boolean", "array", "object"]
+        if depth < 2
+        else ["string", "integer", "number", "enum", "boolean"]
+    )
     if kind == "string":
         return {"type": "string", "minLength": 1, "maxLength": rng.choice([8, 16])}
     if kind == "integer":
@@ -54,8 +57,9 @@ def _requests(engine: Engine, count: int = len(SCHEMAS)):
     for i, schema in enumerate(SCHEMAS[:count]):
         fields = ", ".join(schema["properties"])
         prompts.append(engine.encode(chat(engine, f"Describe item {i} as JSON with the fields {fields}.")))
-        params.append(SamplingParams(max_new_tokens=400, temperature=0,
-                                     grammar=GrammarSpec("json_schema", json.dumps(schema))))
+        params.append(
+            SamplingParams(max_new_tokens=400, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+        )
     return prompts, params
 
 
@@ -86,11 +90,20 @@ def test_fifty_schemas_validate_with_speculation(smol_dir, tp):
 
 
 # the draft head was trained on prose: codes like these make it propose tokens the grammar forbids, step after step
-ADVERSARIAL = GrammarSpec("json_schema", json.dumps({
-    "type": "object", "additionalProperties": False, "required": ["code", "parts"],
-    "properties": {"code": {"type": "string", "pattern": "[QXZ]{2}-[0-9]{3}-[qxz]{4}"},
-                   "parts": {"type": "array", "minItems": 2, "maxItems": 3,
-                             "items": {"enum": ["zzq", "xqx", "qqz-9"]}}}}))
+ADVERSARIAL = GrammarSpec(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["code", "parts"],
+            "properties": {
+                "code": {"type": "string", "pattern": "[QXZ]{2}-[0-9]{3}-[qxz]{4}"},
+                "parts": {"type": "array", "minItems": 2, "maxItems": 3, "items": {"enum": ["zzq", "xqx", "qqz-9"]}},
+            },
+        }
+    ),
+)
 IDENTITY = [
     ("Give a person as JSON.", GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))),
     ("Describe the weather in Paris as JSON.", GrammarSpec("json_object")),
@@ -121,9 +134,15 @@ def test_a_grammar_whose_only_token_is_banned_finishes_with_a_dead_end(smol_engi
     assert len(z) == 1
     prompt = smol_engine.encode(chat(smol_engine, "Say Z."))
     bias = ((z[0], -100.0),)
-    dead, ok = smol_engine.generate([prompt, prompt], [
-        SamplingParams(max_new_tokens=8, temperature=0, grammar=GrammarSpec("ebnf", 'root ::= "Z"'), logit_bias=bias),
-        SamplingParams(max_new_tokens=8, temperature=0, grammar=GrammarSpec("ebnf", 'root ::= "Z"'))])
+    dead, ok = smol_engine.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(
+                max_new_tokens=8, temperature=0, grammar=GrammarSpec("ebnf", 'root ::= "Z"'), logit_bias=bias
+            ),
+            SamplingParams(max_new_tokens=8, temperature=0, grammar=GrammarSpec("ebnf", 'root ::= "Z"')),
+        ],
+    )
     assert dead.finish_reason == FINISH_DEAD_END and dead.token_ids == []
     assert ok.text == "Z" and ok.finish_reason == "stop"
     assert smol_engine.stats.values["kv_used_tokens"] == 0
@@ -132,19 +151,24 @@ def test_a_grammar_whose_only_token_is_banned_finishes_with_a_dead_end(smol_engi
 def test_logit_bias_bans_and_favours_tokens(smol_engine):
     prompt = smol_engine.encode(chat(smol_engine, "Name a fruit."))
     first = smol_engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0))[0].token_ids[0]
-    banned = smol_engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0,
-                                                           logit_bias=((first, -100.0),)))[0].token_ids[0]
-    forced = smol_engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0,
-                                                           logit_bias=((42, 100.0),)))[0].token_ids
+    banned = smol_engine.generate(
+        [prompt], SamplingParams(max_new_tokens=1, temperature=0, logit_bias=((first, -100.0),))
+    )[0].token_ids[0]
+    forced = smol_engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0, logit_bias=((42, 100.0),)))[
+        0
+    ].token_ids
     assert banned != first and forced == [42, 42, 42]
 
 
-@pytest.mark.parametrize("spec", [
-    GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "strnig"}}}'),
-    GrammarSpec("json_schema", "{not json"),
-    GrammarSpec("regex", "(unclosed"),
-    GrammarSpec("ebnf", "root ::= "),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "strnig"}}}'),
+        GrammarSpec("json_schema", "{not json"),
+        GrammarSpec("regex", "(unclosed"),
+        GrammarSpec("ebnf", "root ::= "),
+    ],
+)
 def test_bad_grammars_are_refused_before_rank_0(spec):
     with pytest.raises(InvalidGrammarError) as e:
         check_grammar(spec)

@@ -26,8 +26,9 @@ def tiny_reference(tiny_llama):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tiny_llama_tp_matches_tp1(tiny_llama, tiny_reference, tp):
     # 8 heads / 4 KV heads: tp=2 splits KV heads, tp=4 gives each rank one
-    out = _greedy(EngineConfig(model_path=str(tiny_llama), dtype="float32", tp_size=tp, max_total_tokens=1024),
-                  PROMPT_IDS)
+    out = _greedy(
+        EngineConfig(model_path=str(tiny_llama), dtype="float32", tp_size=tp, max_total_tokens=1024), PROMPT_IDS
+    )
     assert out == tiny_reference
 
 
@@ -56,8 +57,12 @@ def test_tiny_qwen3_matches_transformers_greedy_at_tp1_2_and_4(tmp_path, smol_di
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     with torch.no_grad():
-        ref = [hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, len(ids):]
-               .tolist() for ids in PROMPT_IDS]
+        ref = [
+            hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
+            for ids in PROMPT_IDS
+        ]
     for tp in (1, 2, 4):
         with Engine(EngineConfig(model_path=folder, dtype="float32", tp_size=tp, max_total_tokens=1024)) as eng:
             assert [r.token_ids for r in eng.generate(PROMPT_IDS, params)] == ref, f"tp={tp}"

@@ -16,8 +16,9 @@ from worker.sampling.params import SamplingParams
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_killing_a_worker_fails_pending_requests_within_seconds(tiny_llama, victim):
-    eng = Engine(EngineConfig(model_path=str(tiny_llama), dtype="float32", tp_size=2, max_total_tokens=4096,
-                              dist_timeout=30))
+    eng = Engine(
+        EngineConfig(model_path=str(tiny_llama), dtype="float32", tp_size=2, max_total_tokens=4096, dist_timeout=30)
+    )
     try:
         errors: list[BaseException] = []
         started = threading.Event()

@@ -1,5 +1,5 @@
-"""The fused CPU kernels (worker/kernels/csrc/cpu_kernels.cpp) against float32 references built from plain torch ops, and the
-property speculation relies on: a row's result does not depend on the rows computed with it."""
+"""The fused CPU kernels (worker/kernels/csrc/cpu_kernels.cpp) against float32 references built from plain torch
+ops, and the property speculation relies on: a row's result does not depend on the rows computed with it."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def test_rms_norm_and_fused_add_match_float32(dtype):
     assert torch.allclose(K.rms_norm(x, w, 1e-5).float(), ref, atol=tol, rtol=tol)
     total, normed = K.add_rms_norm(x, delta, w, 1e-5)
     assert torch.equal(total, x + delta)  # the residual rounds exactly as torch's add
-    assert torch.allclose(normed.float(), F.rms_norm((x + delta).float(), (576,), w.float(), 1e-5), atol=tol,
-                          rtol=tol)
+    assert torch.allclose(normed.float(), F.rms_norm((x + delta).float(), (576,), w.float(), 1e-5), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,8 +46,11 @@ def test_rope_write_cache_matches_eager_rotary(rot, cache_dtype):
     h, hkv, d, n = 9, 3, 64, 4
     g = _gen()
     qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g).bfloat16()
-    q, k, v = (qkv[:, : h * d].view(n, h, d), qkv[:, h * d : (h + hkv) * d].view(n, hkv, d),
-               qkv[:, (h + hkv) * d :].view(n, hkv, d))
+    q, k, v = (
+        qkv[:, : h * d].view(n, h, d),
+        qkv[:, h * d : (h + hkv) * d].view(n, hkv, d),
+        qkv[:, (h + hkv) * d :].view(n, hkv, d),
+    )
     cos, sin = RotaryEmbedding(rot, 1024, 10000.0, {}).table(torch.tensor([0, 7, 300, 1000]), torch.float32)
     k_cache, v_cache = torch.zeros(64, hkv, d, dtype=cache_dtype), torch.zeros(64, hkv, d, dtype=cache_dtype)
     slots = torch.tensor([3, 17, 40, 63])
@@ -85,16 +87,18 @@ def test_attend_rows_matches_softmax_attention_and_is_row_independent(d, cache_d
         vv = v_cache[ks].float().repeat_interleave(h // hkv, dim=1)
         probs = (torch.einsum("hd,lhd->hl", q[r], kk) * scale).softmax(-1)
         assert torch.allclose(out[r], torch.einsum("hl,lhd->hd", probs, vv), atol=1e-5)
-        alone = K.attend_rows(q[r : r + 1].contiguous(), k_cache, v_cache, row_slots[r : r + 1], counts[r : r + 1],
-                              scale, torch.float32)
+        alone = K.attend_rows(
+            q[r : r + 1].contiguous(), k_cache, v_cache, row_slots[r : r + 1], counts[r : r + 1], scale, torch.float32
+        )
         assert torch.equal(alone[0], out[r])  # bits independent of the rows beside it
 
 
 def test_attend_rows_refuses_bad_slots():
     k_cache = torch.zeros(16, 1, 64)
     with pytest.raises(RuntimeError, match="out of range"):
-        K.attend_rows(torch.zeros(1, 1, 64), k_cache, k_cache, torch.tensor([[0, 99]]), torch.tensor([2]), 1.0,
-                      torch.float32)
+        K.attend_rows(
+            torch.zeros(1, 1, 64), k_cache, k_cache, torch.tensor([[0, 99]]), torch.tensor([2]), 1.0, torch.float32
+        )
 
 
 def test_bfloat16_models_cache_bfloat16_where_the_fused_kernels_attend():
@@ -120,8 +124,11 @@ def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows, monke
 
     if not K.qlinear_fast():
         pytest.skip("needs AVX512-BF16: the one-call layer runs on qlinear's fast path, not built on this CPU")
-    runner = ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=1024), resolve_model(str(smol_dir)),
-                         TPGroup(0, 1, torch.device("cpu")))
+    runner = ModelRunner(
+        EngineConfig(dtype="bfloat16", max_total_tokens=1024),
+        resolve_model(str(smol_dir)),
+        TPGroup(0, 1, torch.device("cpu")),
+    )
     runner.model.aux_layers = {2, 15, 27}
     ctx, table = 40, list(range(8))
     stack = model.fused_stack
@@ -139,8 +146,9 @@ def test_decoder_layer_kernel_gives_the_python_layers_bits(smol_dir, rows, monke
                 for (k, v), (k0, v0) in zip(runner.kv, before):
                     k.copy_(k0)
                     v.copy_(v0)
-                hidden, aux, _ = runner.run_model([7 + r for r in range(rows)], list(range(ctx, ctx + rows)),
-                                                  [SeqSlice(ctx, rows, table)])
+                hidden, aux, _ = runner.run_model(
+                    [7 + r for r in range(rows)], list(range(ctx, ctx + rows)), [SeqSlice(ctx, rows, table)]
+                )
                 out[way] = (hidden, aux, [(k.clone(), v.clone()) for k, v in runner.kv])
             finally:
                 model.FUSED_LAYERS = True

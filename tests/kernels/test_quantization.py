@@ -1,5 +1,5 @@
-"""Quantized weights (worker/kernels/quant.py) against independent references: the gguf package's own dequantizer, a float32
-matmul, and transformers' float32 load of the same GGUF."""
+"""Quantized weights (worker/kernels/quant.py) against independent references: the gguf package's own dequantizer,
+a float32 matmul, and transformers' float32 load of the same GGUF."""
 
 from __future__ import annotations
 
@@ -35,8 +35,12 @@ from worker.runner import ModelRunner
 from worker.sampling.params import SamplingParams
 
 QUANTIZED = EngineConfig(dtype="bfloat16", quantization="auto", max_total_tokens=4096)
-PROMPTS = ["Write a short story about a dragon who learns to bake.", "Explain how vaccines work.",
-           "List three uses of copper.", "What is the difference between a list and a tuple in Python?"]
+PROMPTS = [
+    "Write a short story about a dragon who learns to bake.",
+    "Explain how vaccines work.",
+    "List three uses of copper.",
+    "What is the difference between a list and a tuple in Python?",
+]
 # The served model computes in bfloat16 with the file's 4-bit weights: its logits stay within this share of the
 # float32 reference's largest logit (measured ~4% on these prompts; dense bfloat16 weights give ~3%)
 LOGIT_TOLERANCE = 0.06
@@ -73,8 +77,9 @@ def test_requantized_types_and_dense_load():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((32, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
-    t = SimpleNamespace(name="blk.0.ffn_up.weight", tensor_type=gguf.GGMLQuantizationType.Q5_0, data=raw,
-                        shape=np.array([128, 32]))
+    t = SimpleNamespace(
+        name="blk.0.ffn_up.weight", tensor_type=gguf.GGMLQuantizationType.Q5_0, data=raw, shape=np.array([128, 32])
+    )
     q = gguf_tensor(t, "gguf")  # K-quants and 5-bit types become groupwise int4 at load
     assert isinstance(q, QTensor) and q.bits == 4
     ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0))
@@ -84,8 +89,12 @@ def test_requantized_types_and_dense_load():
 
 
 def test_unsupported_gguf_type_is_a_clear_error():
-    t = SimpleNamespace(name="blk.3.attn_q.weight", tensor_type=gguf.GGMLQuantizationType.IQ2_XXS,
-                        data=np.zeros((4, 66), np.uint8), shape=np.array([256, 4]))
+    t = SimpleNamespace(
+        name="blk.3.attn_q.weight",
+        tensor_type=gguf.GGMLQuantizationType.IQ2_XXS,
+        data=np.zeros((4, 66), np.uint8),
+        shape=np.array([256, 4]),
+    )
     for method in ("gguf", "none"):
         with pytest.raises(ModelLoadError) as e:
             gguf_tensor(t, method)
@@ -193,8 +202,11 @@ def test_mixed_widths_widen_exactly():
 
 def test_quantization_needs_bfloat16_on_cpu():
     with pytest.raises(ModelLoadError, match="runs on CPU with bfloat16 activations"):
-        ModelRunner(EngineConfig(dtype="float32", quantization="int4", max_total_tokens=256),
-                    resolve_model("smollm2-135m-instruct"), single_rank_group(torch.device("cpu")))
+        ModelRunner(
+            EngineConfig(dtype="float32", quantization="int4", max_total_tokens=256),
+            resolve_model("smollm2-135m-instruct"),
+            single_rank_group(torch.device("cpu")),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +254,9 @@ def test_verify_rows_equal_decode_rows(quantized_runner, smol_engine):
             while j >= 0:
                 mask[i, j], j = True, parent[j]
         write = slots_of(blocks, range(ctx, ctx + 6), r.block_size)
-        meta = build_attention_metadata([SeqSlice(ctx, 6, blocks, TreeKeys(write, write, mask))], r.block_size,
-                                        torch.device("cpu"))
+        meta = build_attention_metadata(
+            [SeqSlice(ctx, 6, blocks, TreeKeys(write, write, mask))], r.block_size, torch.device("cpu")
+        )
         with torch.inference_mode():
             hidden, _ = r.model(torch.tensor(tokens), torch.tensor([ctx + d for d in depth]), r.kv, meta)
             tree = r.model.compute_logits(hidden).float()
@@ -275,7 +288,7 @@ def test_quantized_greedy_matches_reference_up_to_near_ties(hf_smol, smol_engine
     identical = 0
     for ids, out in zip(prompts, ours):
         with torch.no_grad():
-            ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):].tolist()
+            ref = hf_smol.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids) :].tolist()
         if out == ref:
             identical += 1
             continue

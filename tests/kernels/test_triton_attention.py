@@ -60,8 +60,9 @@ def test_triton_kernel_matches_reference_attention(heads, kv_heads, seed, device
     meta = build_attention_metadata(seqs, BS, torch.device("cpu"))
     ref = attend(q, k, v, k_cache, v_cache, meta, d**-0.5)  # writes k, v into the caches too
     dev = torch.device(device)  # cuda: the compiled kernel on the GPU (the device check), cpu: the interpreter
-    out = triton_attend(q.to(dev), k_cache.to(dev), v_cache.to(dev), paged_rows(seqs, dev), BS, d**-0.5,
-                        block_n=8).cpu()
+    out = triton_attend(
+        q.to(dev), k_cache.to(dev), v_cache.to(dev), paged_rows(seqs, dev), BS, d**-0.5, block_n=8
+    ).cpu()
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), (out - ref).abs().max()
 
 
@@ -86,7 +87,8 @@ def test_model_with_the_triton_backend_decodes_like_the_reference(tiny_llama):
         assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     # the graph path's static buffers, buckets and padding rows (everything but the capture itself), plain and EAGLE
     for s in (SpecConfig(), spec):
-        with Engine(base.replace(attention_backend="triton", debug_graph_buffers_on_cpu=True,
-                                 cuda_graph_max_rows=8, spec=s)) as eng:
+        with Engine(
+            base.replace(attention_backend="triton", debug_graph_buffers_on_cpu=True, cuda_graph_max_rows=8, spec=s)
+        ) as eng:
             assert [r.token_ids for r in eng.generate(prompts, params)] == ref
             assert eng.stats.snapshot.graph_replays > 0

@@ -21,8 +21,7 @@ def client(api_server):
 
 @pytest.fixture(scope="module")
 def aclient_factory(api_server):
-    return lambda: openai.AsyncOpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, max_retries=0,
-                                      timeout=300)
+    return lambda: openai.AsyncOpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def _chat(client, content: str, **kw):
@@ -80,8 +79,9 @@ def test_stop_strings_cut_exactly(client):
     stop = words[2].strip()[:4]
     cut = ref.index(stop)
     for stream in (False, True):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop, "@@@"],
-                                      stream=stream)
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop, "@@@"], stream=stream
+        )
         text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
         assert text == ref[:cut]
         assert stop not in text
@@ -117,15 +117,24 @@ BAD_BODIES = [
     ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("empty messages", {"model": MODEL, "messages": []}, "messages"),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ("beyond context", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
-     "max_tokens"),
+    (
+        "beyond context",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+        "max_tokens",
+    ),
     ("temperature", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, "temperature"),
     ("top_p", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": -1}, "top_p"),
     ("n", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 1000}, "n"),
-    ("max_tokens zero", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
-     "max_tokens"),
-    ("top_logprobs", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                      "top_logprobs": 99}, "top_logprobs"),
+    (
+        "max_tokens zero",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        "max_tokens",
+    ),
+    (
+        "top_logprobs",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99},
+        "top_logprobs",
+    ),
 ]
 
 
@@ -160,10 +169,17 @@ def _wait_idle(server, timeout: float = 20.0) -> dict:
 
 
 def test_disconnect_mid_stream_frees_kv(api_server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
-            "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", api_server.base_url + "/v1/chat/completions", json=body,
-                      headers=api_server.headers(), timeout=60) as r:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", api_server.base_url + "/v1/chat/completions", json=body, headers=api_server.headers(), timeout=60
+    ) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(12)]
         assert any(line.startswith("data: ") for line in got)
@@ -186,8 +202,9 @@ def test_32_concurrent_streaming_clients_match_sequential(client, aclient_factor
     sequential = [_chat(client, p, max_tokens=12, temperature=0).choices[0].message.content for p in prompts]
 
     async def one(ac, p: str) -> str:
-        stream = await ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
-                                                  max_tokens=12, temperature=0, stream=True)
+        stream = await ac.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=12, temperature=0, stream=True
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def all_of_them():
@@ -201,8 +218,9 @@ def test_async_client_completions(aclient_factory):
     async def run():
         async with aclient_factory() as ac:
             r = await ac.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0)
-            s = await ac.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0,
-                                            stream=True)
+            s = await ac.completions.create(
+                model=MODEL, prompt="Roses are red,", max_tokens=8, temperature=0, stream=True
+            )
             return r.choices[0].text, "".join([c.choices[0].text async for c in s])
 
     text, streamed = asyncio.run(run())

@@ -18,20 +18,27 @@ from worker.model.config import load_model_config
 from worker.model.files import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="prometheus (Debian package) not installed; make test installs it")
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus (Debian package) not installed; make test installs it"
+)
 
 
 def _server(tiny_llama, extra: list[str]) -> ServerProcess:
-    return ServerProcess(["--model-path", str(tiny_llama), "--tp-size", "2", "--dtype", "float32",
-                          "--max-total-tokens", "4096", *extra])
+    return ServerProcess(
+        ["--model-path", str(tiny_llama), "--tp-size", "2", "--dtype", "float32", "--max-total-tokens", "4096", *extra]
+    )
 
 
 def _traffic(server: ServerProcess, model: str, rounds: int) -> None:
     """Streaming and non-streaming requests, greedy and sampled, a few hundred milliseconds apart."""
     for i in range(rounds):
-        body = {"model": model, "prompt": [5, 6, 7, 8] * 3, "max_tokens": 24, "temperature": 0 if i % 2 else 0.7,
-                "ignore_eos": True}
+        body = {
+            "model": model,
+            "prompt": [5, 6, 7, 8] * 3,
+            "max_tokens": 24,
+            "temperature": 0 if i % 2 else 0.7,
+            "ignore_eos": True,
+        }
         r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body | {"stream": True}, timeout=60) as s:
@@ -54,13 +61,27 @@ def _value(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_llama, tmp_path_factory):
-    head = save_copy_eagle_head(tmp_path_factory.mktemp("metrics-head"), load_model_config(resolve_model(
-        str(tiny_llama))))
-    server = _server(tiny_llama, ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head),
-                                  "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-                                  "--speculative-num-draft-tokens", "6",
-                                  # every step drafts, so each rate() window holds accept lengths
-                                  "--speculative-cost-table", "off"])
+    head = save_copy_eagle_head(
+        tmp_path_factory.mktemp("metrics-head"), load_model_config(resolve_model(str(tiny_llama)))
+    )
+    server = _server(
+        tiny_llama,
+        [
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            str(head),
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "2",
+            "--speculative-num-draft-tokens",
+            "6",
+            # every step drafts, so each rate() window holds accept lengths
+            "--speculative-cost-table",
+            "off",
+        ],
+    )
     yield server
     server.stop()
 
@@ -78,9 +99,16 @@ scrape_configs:
       - targets: ["127.0.0.1:{spec_server.port}"]
 """)
     assert subprocess.run(["promtool", "check", "config", str(config)], capture_output=True).returncode == 0
-    proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

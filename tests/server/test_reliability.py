@@ -31,11 +31,31 @@ SECRET = "sk-never-print-me-7f3a"
 
 
 def _args(tiny_llama, head, *extra) -> list[str]:
-    return ["--model-path", str(tiny_llama), "--served-model-name", "tiny", "--dtype", "float32",
-            "--max-total-tokens", "8192", "--max-model-len", "512", "--speculative-algorithm", "EAGLE",
-            "--speculative-draft-model-path", str(head), "--speculative-num-steps", "3",
-            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", "--speculative-cost-table", "off",
-            *extra]
+    return [
+        "--model-path",
+        str(tiny_llama),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "8192",
+        "--max-model-len",
+        "512",
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-draft-model-path",
+        str(head),
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "2",
+        "--speculative-num-draft-tokens",
+        "6",
+        "--speculative-cost-table",
+        "off",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +92,9 @@ def _rss_kb(pid: int) -> int:
 
 
 def test_load_with_hangups_completes_everything_and_leaks_nothing(server):
-    report = asyncio.run(run_load(server.base_url, "tiny", clients=32, requests_per_client=2, max_tokens=24,
-                                  api_key=SECRET))
+    report = asyncio.run(
+        run_load(server.base_url, "tiny", clients=32, requests_per_client=2, max_tokens=24, api_key=SECRET)
+    )
     assert not report.failed, report.failed[:3]
     assert report.completed + report.abandoned == 64 and report.abandoned > 0
     stats = _wait_idle(server)
@@ -123,6 +144,7 @@ def test_fuzz_from_openapi_schema(server):
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
     calls = {"n": 0}
     for op in operations:
+
         @given(case=op.as_strategy())
         @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case):
@@ -140,8 +162,13 @@ def test_fuzz_from_openapi_schema(server):
 
 
 def test_slow_reader_does_not_stall_others(server):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as slow:
         with slow.stream("POST", server.base_url + "/v1/chat/completions", json=body, headers=server.headers()) as r:
             next(r.iter_lines())  # read one line, then stop reading while the server keeps producing
@@ -155,8 +182,9 @@ def test_slow_reader_does_not_stall_others(server):
 
 
 def test_api_key_never_leaks(server):
-    r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": "tiny"},
-                   headers={"Authorization": f"Bearer {SECRET}x"})
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions", json={"model": "tiny"}, headers={"Authorization": f"Bearer {SECRET}x"}
+    )
     assert r.status_code == 401 and SECRET not in r.text
     assert SECRET not in httpx.get(server.base_url + "/metrics").text
     assert SECRET not in httpx.get(server.base_url + "/health").text
@@ -167,8 +195,13 @@ def test_worker_death_gives_503_then_the_group_restarts(tiny_llama, head):
     s = ServerProcess(_args(tiny_llama, head, "--tp-size", "2", "--max-model-len", "6000"))
     try:
         workers = sorted(descendants(s.proc.pid) - {s.proc.pid})
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 5900,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 5900,
+            "ignore_eos": True,
+            "stream": True,
+        }
         outcome = {}
 
         def stream() -> None:
@@ -210,8 +243,9 @@ def test_sigterm_under_load_drains_and_exits_zero(tiny_llama, head):
     result = {}
 
     def load() -> None:
-        result["report"] = asyncio.run(run_load(s.base_url, "tiny", clients=16, requests_per_client=50,
-                                                max_tokens=32, hangup_share=0.0))
+        result["report"] = asyncio.run(
+            run_load(s.base_url, "tiny", clients=16, requests_per_client=50, max_tokens=32, hangup_share=0.0)
+        )
 
     t = threading.Thread(target=load)
     t.start()

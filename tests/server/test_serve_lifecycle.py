@@ -33,20 +33,31 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 240) -> None
 def test_make_serve_answers_chat_and_sigterm_exits_cleanly(smol_dir, tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(["make", "-s", "serve", f"ARGS=--port {port}"], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "-s", "serve", f"ARGS=--port {port}"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_health(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model="smollm2-135m-instruct",
-                                           messages=[{"role": "user", "content": "Say hi in three words."}],
-                                           max_tokens=16)
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Say hi in three words."}],
+            max_tokens=16,
+        )
         assert r.choices[0].message.content.strip()
         tree = descendants(proc.pid)
         assert len(tree) >= 3  # make -> eaglegate -> at least one TP worker
-        server_pid = next(p for p in tree if b"eaglegate" in Path(f"/proc/{p}/cmdline").read_bytes()
-                          and b"serve" in Path(f"/proc/{p}/cmdline").read_bytes())
+        server_pid = next(
+            p
+            for p in tree
+            if b"eaglegate" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and b"serve" in Path(f"/proc/{p}/cmdline").read_bytes()
+        )
         os.kill(server_pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 10

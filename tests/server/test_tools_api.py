@@ -12,10 +12,19 @@ from conftest import API_KEY
 from pydantic import BaseModel
 
 MODEL = "smollm2-135m-instruct"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                   "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 class Person(BaseModel):
@@ -32,14 +41,16 @@ def client(api_server):
 def llm(api_server):
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, model=MODEL, temperature=0,
-                      max_tokens=80, max_retries=0)
+    return ChatOpenAI(
+        base_url=api_server.base_url + "/v1", api_key=API_KEY, model=MODEL, temperature=0, max_tokens=80, max_retries=0
+    )
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 def test_langchain_with_structured_output(llm, method):
     out = llm.with_structured_output(Person, method=method).invoke(
-        "Extract the person as JSON with keys name and age: Carol is 25 years old.")
+        "Extract the person as JSON with keys name and age: Carol is 25 years old."
+    )
     assert isinstance(out, Person) and out.age == 25
 
 
@@ -59,30 +70,51 @@ def test_langchain_bind_tools_required(llm):
 
 def test_response_format_json_schema_and_json_object(client):
     schema = Person.model_json_schema()
-    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=60, messages=[
-        {"role": "user", "content": "Dave is 31. Give him as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    r = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=60,
+        messages=[{"role": "user", "content": "Dave is 31. Give him as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    parsed = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=60, response_format=Person,
-                                           messages=[{"role": "user", "content": "Eve is 52. As JSON."}])
+    parsed = client.chat.completions.parse(
+        model=MODEL,
+        temperature=0,
+        max_tokens=60,
+        response_format=Person,
+        messages=[{"role": "user", "content": "Eve is 52. As JSON."}],
+    )
     assert isinstance(parsed.choices[0].message.parsed, Person)
-    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120,
-                                       response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Give the weather in Oslo as a JSON "
-                                                                             "object with keys city and temperature."}])
+    r = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_object"},
+        messages=[
+            {"role": "user", "content": "Give the weather in Oslo as a JSON object with keys city and temperature."}
+        ],
+    )
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_tool_calls_non_streaming_and_streamed_as_deltas(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
-                                       temperature=0, max_tokens=60)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60
+    )
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                            temperature=0, max_tokens=60)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=60,
+    )
     name, args, finish = None, "", None
     for chunk in stream:
         c = chunk.choices[0]
@@ -93,8 +125,10 @@ def test_tool_calls_non_streaming_and_streamed_as_deltas(client):
         finish = c.finish_reason or finish
     assert (name, json.loads(args), finish) == ("get_weather", {"city": "Paris"}, "tool_calls")
     # the call and its result go back into the history; the model answers in text
-    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                          {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'}]
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=40)
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
 
@@ -106,31 +140,52 @@ def test_models_retrieve(client):
 
 
 def test_responses_create_and_stream(client):
-    r = client.responses.create(model=MODEL, input="What is the capital of France? One word.",
-                                instructions="Answer briefly.", max_output_tokens=10, temperature=0)
+    r = client.responses.create(
+        model=MODEL,
+        input="What is the capital of France? One word.",
+        instructions="Answer briefly.",
+        max_output_tokens=10,
+        temperature=0,
+    )
     assert "Paris" in r.output_text and r.usage.output_tokens <= 10
-    with client.responses.stream(model=MODEL, input=[{"role": "user",
-                                                      "content": "What is the capital of France? One word."}],
-                                 instructions="Answer briefly.", max_output_tokens=10, temperature=0) as stream:
+    with client.responses.stream(
+        model=MODEL,
+        input=[{"role": "user", "content": "What is the capital of France? One word."}],
+        instructions="Answer briefly.",
+        max_output_tokens=10,
+        temperature=0,
+    ) as stream:
         kinds = [ev.type for ev in stream]
         final = stream.get_final_response()
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert "response.output_text.delta" in kinds and "Paris" in final.output_text
     tool = {"type": "function", **WEATHER["function"]}
-    r = client.responses.create(model=MODEL, input="Weather in Rome?", tools=[tool], tool_choice="required",
-                                temperature=0, max_output_tokens=40)
+    r = client.responses.create(
+        model=MODEL, input="Weather in Rome?", tools=[tool], tool_choice="required", temperature=0, max_output_tokens=40
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
-    parsed = client.responses.parse(model=MODEL, input="Bob is 42.", text_format=Person, temperature=0,
-                                    max_output_tokens=40)
+    parsed = client.responses.parse(
+        model=MODEL, input="Bob is 42.", text_format=Person, temperature=0, max_output_tokens=40
+    )
     assert parsed.output_parsed == Person(name="Bob", age=42)
 
 
-OK_FIELDS = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u1", "parallel_tool_calls": False,
-             "prediction": {"type": "content", "content": "x"}, "safety_identifier": "s", "prompt_cache_key": "p"}
+OK_FIELDS = {
+    "store": True,
+    "metadata": {"k": "v"},
+    "service_tier": "auto",
+    "user": "u1",
+    "parallel_tool_calls": False,
+    "prediction": {"type": "content", "content": "x"},
+    "safety_identifier": "s",
+    "prompt_cache_key": "p",
+}
 BAD_GRAMMARS = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
-     "response_format.json_schema.schema"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+        "response_format.json_schema.schema",
+    ),
     ({"regex": "(unclosed"}, "regex"),
     ({"ebnf": "root ::= "}, "ebnf"),
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
@@ -145,17 +200,28 @@ def test_bad_grammars_and_fields_get_a_400_naming_them(api_server, client, extra
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | extra
     r = httpx.post(api_server.base_url + "/v1/chat/completions", json=body, headers=api_server.headers(), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                        temperature=0, extra_body=OK_FIELDS)
+    ok = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0, extra_body=OK_FIELDS
+    )
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
 def test_dead_end_grammar_finishes_with_its_reason_and_serving_goes_on(client, smol_engine):
     [token] = smol_engine.encode("Z")
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say Z"}], max_tokens=4,
-                                       temperature=0, logit_bias={str(token): -100},
-                                       extra_body={"ebnf": 'root ::= "Z"'})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say Z"}],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): -100},
+        extra_body={"ebnf": 'root ::= "Z"'},
+    )
     assert r.choices[0].finish_reason == "grammar_dead_end" and r.choices[0].message.content == ""
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say Z"}], max_tokens=4,
-                                       temperature=0, extra_body={"ebnf": 'root ::= "Z"'})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say Z"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ebnf": 'root ::= "Z"'},
+    )
     assert r.choices[0].message.content == "Z" and r.choices[0].finish_reason == "stop"

@@ -13,8 +13,10 @@ def test_answers_append_across_shards_and_read_back(tmp_path, monkeypatch):
     distill._append(tmp_path, [{"i": 0, "ids": [1, 2]}, {"i": 4, "ids": []}])
     distill._append(tmp_path, [{"i": 7, "ids": [3]}])  # fills shard 0
     distill._append(tmp_path, [{"i": 9, "ids": [5, 6, 7]}])  # a new shard
-    assert [p.name for p in sorted(tmp_path.glob("answers-*.jsonl.gz"))] == ["answers-000.jsonl.gz",
-                                                                           "answers-001.jsonl.gz"]
+    assert [p.name for p in sorted(tmp_path.glob("answers-*.jsonl.gz"))] == [
+        "answers-000.jsonl.gz",
+        "answers-001.jsonl.gz",
+    ]
     assert distill.read_answers(tmp_path) == {0: [1, 2], 4: [], 7: [3], 9: [5, 6, 7]}
 
 

@@ -18,9 +18,34 @@ from worker.sampling.params import SamplingParams
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
     out = tmp_path / "head"
-    cmd = [sys.executable, "-m", "server", "train-draft", "--kind", kind, "--out", str(out), "--prompts", "builtin",
-           "--num-prompts", "8", "--max-new-tokens", "24", "--max-len", "96", "--epochs", "2", "--batch-size", "4",
-           "--draft-vocab", "2048", "--checkpoint-every", "2", "--dtype", "float32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "train-draft",
+        "--kind",
+        kind,
+        "--out",
+        str(out),
+        "--prompts",
+        "builtin",
+        "--num-prompts",
+        "8",
+        "--max-new-tokens",
+        "24",
+        "--max-len",
+        "96",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--draft-vocab",
+        "2048",
+        "--checkpoint-every",
+        "2",
+        "--dtype",
+        "float32",
+    ]
     if kind == "eagle3":
         # the path of scripts/gpu-train.sh: examples exported as token ids, then trained from that file; and
         # the bfloat16-autocast training path (weights stay float32)
@@ -63,8 +88,10 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
         assert redone["seqs"] == lost["seqs"]
         for name in ("feats", "labels", "masks", "soft_ids", "soft_p"):
             assert all(torch.equal(a, b) for a, b in zip(redone[name], lost[name])), name
-        data = {k: [x for p in parts for x in torch.load(p, weights_only=False, mmap=True)[k]]
-                for k in ("seqs", "labels", "soft_p", "soft_ids")}
+        data = {
+            k: [x for p in parts for x in torch.load(p, weights_only=False, mmap=True)[k]]
+            for k in ("seqs", "labels", "soft_p", "soft_ids")
+        }
         assert json.loads((out / "features" / "recording.json").read_text())["data"]["soft_topk"] == 4
         assert len(data["soft_p"]) == len(data["seqs"]) > len(redone["seqs"])
         first_p, first_ids = data["soft_p"][0].float(), data["soft_ids"][0]
@@ -75,8 +102,9 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
         at = cmd.index("--soft-topk")
         hard = cmd[:at] + cmd[at + 2 :]
         r3 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
-        assert r3.returncode != 0 and "holds soft labels of top-4 (0: none), not --soft-topk 0" in r3.stderr, \
-            r3.stderr[-2000:]
+        assert r3.returncode != 0 and "holds soft labels of top-4 (0: none), not --soft-topk 0" in r3.stderr, r3.stderr[
+            -2000:
+        ]
         # nor is an unfinished recording finished with other settings
         record.write_text(json.dumps(json.loads(record.read_text()) | {"complete": False}))
         r4 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
@@ -109,8 +137,9 @@ def test_soft_cross_entropy_reads_the_targets_top_k_inside_the_draft_vocabulary(
     assert torch.allclose(soft_cross_entropy(logits, ids, torch.tensor([[0.5, 0.5]] * 5), vocab_index), hard)
     # split between two draft tokens: the mixture of their cross-entropies
     two = torch.tensor([[0, 3]] * 5)
-    mixed = 0.75 * F.cross_entropy(logits, torch.zeros(5, dtype=torch.long)) + \
-        0.25 * F.cross_entropy(logits, torch.full((5,), 2))
+    mixed = 0.75 * F.cross_entropy(logits, torch.zeros(5, dtype=torch.long)) + 0.25 * F.cross_entropy(
+        logits, torch.full((5,), 2)
+    )
     assert torch.allclose(soft_cross_entropy(logits, two, torch.tensor([[0.75, 0.25]] * 5), vocab_index), mixed)
 
 
@@ -128,8 +157,9 @@ def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_chan
     from worker.model.loader import load_target
 
     config = EngineConfig()
-    target, _ = load_target(config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")),
-                            torch.float32)
+    target, _ = load_target(
+        config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")), torch.float32
+    )
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     old_vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
     unseen = torch.tensor([t for t in range(target.lm_head.weight.shape[0]) if t not in set(old_vocab.tolist())][:100])
@@ -157,8 +187,9 @@ def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine):
     from worker.model.loader import load_target
 
     config = EngineConfig()
-    target, cfg = load_target(config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")),
-                              torch.float32)
+    target, cfg = load_target(
+        config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")), torch.float32
+    )
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
     narrow, wide = TrainableEagle3(target, vocab), TrainableEagle3(target, vocab, intermediate=2048)
@@ -210,19 +241,40 @@ def test_runner_distillation_answers_as_the_engine_does(smol_engine):
     from worker.model.files import resolve_model
     from worker.runner import ModelRunner
 
-    texts = ["Say hi.", "Count from one to twenty in words.", "Name a colour.", "What is 2+2? Answer briefly.",
-             "Write one sentence about the sea.", "List three animals."]
-    prompts = [smol_engine.encode(smol_engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)) for t in texts]
+    texts = [
+        "Say hi.",
+        "Count from one to twenty in words.",
+        "Name a colour.",
+        "What is 2+2? Answer briefly.",
+        "Write one sentence about the sea.",
+        "List three animals.",
+    ]
+    prompts = [
+        smol_engine.encode(
+            smol_engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+            )
+        )
+        for t in texts
+    ]
     params = SamplingParams(max_new_tokens=24, temperature=0)
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
     assert any(len(r) < 24 for r in ref) and any(len(r) == 24 for r in ref)  # both ways of finishing occur
-    runner = ModelRunner(EngineConfig(dtype="float32", enforce_eager=True, max_total_tokens=512),
-                         resolve_model("smollm2-135m-instruct"), single_rank_group(torch.device("cpu")))
+    runner = ModelRunner(
+        EngineConfig(dtype="float32", enforce_eager=True, max_total_tokens=512),
+        resolve_model("smollm2-135m-instruct"),
+        single_rank_group(torch.device("cpu")),
+    )
     seen = []
     with torch.inference_mode():  # 3 rows at once and 512 cache slots: later prompts wait for finished rows' blocks
-        got = greedy_answers(runner, list(enumerate(prompts)), 24, tuple(runner.model_cfg.eos_token_ids), 3,
-                             on_done=lambda i, a: seen.append(i))
+        got = greedy_answers(
+            runner,
+            list(enumerate(prompts)),
+            24,
+            tuple(runner.model_cfg.eos_token_ids),
+            3,
+            on_done=lambda i, a: seen.append(i),
+        )
     assert [got[i] for i in range(len(prompts))] == ref
     assert sorted(seen) == list(range(len(prompts)))
 

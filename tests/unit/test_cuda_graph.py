@@ -33,8 +33,9 @@ def test_static_buffers_hold_the_step_then_padding_on_the_scratch_block():
     rows = _step()
     assert rows.slots == [3 * BS + 1, 6 * BS + 1, 6 * BS + 2, 6 * BS + 3]
     assert rows.limit == [6, 9, 9, 9] and rows.tree_len == [0, 3, 3, 3] and rows.tree_mask == [0, 1, 3, 5]
-    buf = StaticBuffers(max_rows=8, max_seqs=4, max_blocks=6, scratch_block=50, block_size=BS,
-                        device=torch.device("cpu"))
+    buf = StaticBuffers(
+        max_rows=8, max_seqs=4, max_blocks=6, scratch_block=50, block_size=BS, device=torch.device("cpu")
+    )
     buf.fill(rows, 8)
     assert buf.ids.tolist() == [11, 12, 13, 14, 0, 0, 0, 0]
     assert buf.positions.tolist() == [5, 9, 10, 10, 0, 0, 0, 0]
@@ -52,8 +53,9 @@ def test_static_buffers_hold_the_step_then_padding_on_the_scratch_block():
 
 
 def test_steps_that_do_not_fit_run_eagerly():
-    buf = StaticBuffers(max_rows=4, max_seqs=2, max_blocks=3, scratch_block=50, block_size=BS,
-                        device=torch.device("cpu"))
+    buf = StaticBuffers(
+        max_rows=4, max_seqs=2, max_blocks=3, scratch_block=50, block_size=BS, device=torch.device("cpu")
+    )
     runner = GraphRunner(model=None, kv=[], buffers=buf, sizes=capture_sizes(4), capture=False)
     assert runner.bucket(_step()) == 4
     too_many_seqs = step_rows([1, 2, 3], [0, 0, 0], [SeqSlice(0, 1, [1])] * 3, BS)
@@ -71,8 +73,9 @@ def test_a_replay_returns_the_steps_rows_of_the_buckets_outputs():
         seen.append((ids.clone(), meta.paged.limit.clone()))
         return ids.float().unsqueeze(1) * 2, [ids.float().unsqueeze(1)]
 
-    buf = StaticBuffers(max_rows=8, max_seqs=4, max_blocks=6, scratch_block=50, block_size=BS,
-                        device=torch.device("cpu"))
+    buf = StaticBuffers(
+        max_rows=8, max_seqs=4, max_blocks=6, scratch_block=50, block_size=BS, device=torch.device("cpu")
+    )
     runner = GraphRunner(model, [], buf, capture_sizes(8), capture=False)
     rows = _step()
     hidden, aux, slots = runner.run(rows, runner.bucket(rows))

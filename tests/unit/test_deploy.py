@@ -23,11 +23,20 @@ def _compose_binary() -> str:
 
 @pytest.mark.parametrize("profile", ["rocm", "cuda", "cpu"])
 def test_compose_validates(profile):
-    r = subprocess.run([_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
-                       cwd=DEPLOY, capture_output=True, text=True)
+    r = subprocess.run(
+        [_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
+        cwd=DEPLOY,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    full = subprocess.run([_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config",
-                           "--format", "json"], cwd=DEPLOY, capture_output=True, text=True, check=True)
+    full = subprocess.run(
+        [_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "--format", "json"],
+        cwd=DEPLOY,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     services = json.loads(full.stdout)["services"]
     gateway = services[f"eaglegate-{profile}"]
     assert "healthcheck" in gateway and gateway["restart"] == "unless-stopped"
@@ -48,8 +57,13 @@ def test_broken_compose_is_rejected(tmp_path):
 
 def test_multinode_compose_validates():
     env = os.environ | {"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}
-    r = subprocess.run([_compose_binary(), "-f", "docker-compose.multinode.yml", "config", "--format", "json"],
-                       cwd=DEPLOY, capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [_compose_binary(), "-f", "docker-compose.multinode.yml", "config", "--format", "json"],
+        cwd=DEPLOY,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     cmd = json.loads(r.stdout)["services"]["eaglegate"]["command"]
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--dist-init-addr=10.0.0.1:29500" in cmd
@@ -65,15 +79,18 @@ def test_dockerfiles_pass_hadolint(dockerfile):
     assert "API_KEY" not in text and "torch==" not in text.replace("(torch|setuptools)==", "")
     import tomllib
 
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = [p.removesuffix("*") for p in found["include"]]
+    assert packages == ["server", "runtime", "worker", "speculative", "training"]
     for pkg in packages:  # `pip install .` in the image needs every package of the project
         assert f"COPY {pkg} ./{pkg}" in text, f"{dockerfile} does not copy the {pkg} package"
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_prometheus_config_passes_promtool():
-    r = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -86,6 +103,17 @@ def test_dashboard_is_generated_from_script():
     on_disk = json.loads((DEPLOY / "grafana" / "dashboards" / "eaglegate.json").read_text())
     assert on_disk == mod.build()
     titles = " ".join(p["title"] for p in on_disk["panels"]).lower()
-    for needle in ("accept length", "position", "acceptance rate", "sync latency", "first token", "inter-token",
-                   "end-to-end", "throughput", "running and waiting", "kv cache", "divergences"):
+    for needle in (
+        "accept length",
+        "position",
+        "acceptance rate",
+        "sync latency",
+        "first token",
+        "inter-token",
+        "end-to-end",
+        "throughput",
+        "running and waiting",
+        "kv cache",
+        "divergences",
+    ):
         assert needle in titles

@@ -54,7 +54,7 @@ def import_cycles() -> list[list[str]]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack)
         stack.pop()
@@ -82,8 +82,12 @@ def test_the_cycle_finder_sees_a_function_local_circle(tmp_path, monkeypatch):
 
 
 def test_one_free_port_helper_in_the_tree():
-    defs = [p for pkg in (*PACKAGES, "tests", "bench", "scripts") for p in (ROOT / pkg).rglob("*.py")
-            if re.search(r"\.bind\(\(", p.read_text())]
+    defs = [
+        p
+        for pkg in (*PACKAGES, "tests", "bench", "scripts")
+        for p in (ROOT / pkg).rglob("*.py")
+        if re.search(r"\.bind\(\(", p.read_text())
+    ]
     assert [p.relative_to(ROOT).as_posix() for p in defs] == ["worker/dist.py"]
 
 
@@ -92,7 +96,10 @@ def test_the_tree_is_linted_and_formatted():
     bin_dir = Path(sys.executable).parent
     dirs = [*PACKAGES, "tests", "bench", "scripts"]
     sources = [str(p) for p in (ROOT / "worker").rglob("*.cpp")]
-    for cmd in ([bin_dir / "ruff", "check", "-q", *dirs], [bin_dir / "ruff", "format", "--check", "-q", *dirs],
-                [bin_dir / "clang-format", "--dry-run", "--Werror", *sources]):
+    for cmd in (
+        [bin_dir / "ruff", "check", "-q", *dirs],
+        [bin_dir / "ruff", "format", "--check", "-q", *dirs],
+        [bin_dir / "clang-format", "--dry-run", "--Werror", *sources],
+    ):
         r = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, f"{' '.join(map(str, cmd[:2]))} (make fmt fixes it):\n{r.stdout}{r.stderr}"[:3000]

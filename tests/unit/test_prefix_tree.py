@@ -31,7 +31,7 @@ def _check(sched: Scheduler) -> None:
     free = list(pool.free)
     assert len(free) == len(set(free))
     tree = cache.blocks()
-    private = [b for s in sched.running for b in s.block_table[len(s.cache_nodes):]]
+    private = [b for s in sched.running for b in s.block_table[len(s.cache_nodes) :]]
     assert len(private) == len(set(private)) and not set(private) & tree and not set(free) & (tree | set(private))
     for s in sched.running:
         assert [n.block for n in s.cache_nodes] == s.block_table[: len(s.cache_nodes)]

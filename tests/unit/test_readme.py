@@ -17,8 +17,9 @@ MACHINE_CLASSES = ("epyc", "xeon", "h100", "h200", "mi355x")  # no suffix: the r
 
 
 def test_readme_benchmark_tables_match_bench_results():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), "--check"], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_tables.py"), "--check"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     readme = (ROOT / "README.md").read_text()
     for name in ("spec", "quant"):

@@ -1,6 +1,5 @@
 """Rank 0's cost-aware tree and the free drafts, piece by piece without an engine: the choices follow the cost table."""
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +22,6 @@ FLAT = {"verify_seconds": {"1": 0.01, "64": 0.01}}  # verifying is free: every c
 STEEP = {"verify_seconds": {"1": 0.01, "2": 1.0}}  # a second row costs 100 steps: nothing pays
 
 
-
 def test_context_draft_follows_the_latest_full_match():
     assert context_draft([5, 6, 7, 8, 9, 5, 6], 3, 3) == ([7, 8, 9], 2)
     assert context_draft([1, 2, 3, 1, 2, 4, 1, 2], 3, 1) == ([4], 2)  # the latest of two matches
@@ -32,8 +30,13 @@ def test_context_draft_follows_the_latest_full_match():
 
 
 # five answers sharing "2 3 4 5", then 6 in four of them
-ANSWERS = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6, 10], [7, 2, 3, 4, 5, 6, 11],
-           [6, 2, 3, 4, 5, 6, 11]]
+ANSWERS = [
+    [1, 2, 3, 4, 5, 6],
+    [9, 2, 3, 4, 5, 7],
+    [8, 2, 3, 4, 5, 6, 10],
+    [7, 2, 3, 4, 5, 6, 11],
+    [6, 2, 3, 4, 5, 6, 11],
+]
 
 
 def test_corpus_draft_follows_the_longest_match_while_its_occurrences_agree():
@@ -67,8 +70,9 @@ def test_a_chain_is_chosen_by_the_tokens_it_promises():
 
     spec = default_spec_config()
     tokens = [10, *range(11, 11 + spec.context_tokens), 10]  # 10 was followed by a whole chain before
-    leader = SimpleNamespace(config=EngineConfig(spec=spec), estimates=Estimates(eagle_prior=1.0),
-                             corpus=Corpus([[5, 6, 7, 10, 99, 98]]))
+    leader = SimpleNamespace(
+        config=EngineConfig(spec=spec), estimates=Estimates(eagle_prior=1.0), corpus=Corpus([[5, 6, 7, 10, 99, 98]])
+    )
     ctx, n = context_draft(tokens, spec.context_ngram, spec.context_tokens)
     assert len(ctx) == spec.context_tokens >= 5 and n == 1  # 5 tokens at 0.5 promise 0.97 > 0.6 + 0.36
     assert leader.corpus.draft(tokens, spec.context_tokens) == ([99, 98], 1, 1)
@@ -91,8 +95,11 @@ def test_the_default_corpus_is_the_committed_distilled_answers():
 
 
 def test_choose_verifies_what_pays_and_nothing_else():
-    cands = [Candidate(0.9, 0, budget.EAGLE, 0), Candidate(0.5, 0, budget.CONTEXT, 0),
-             Candidate(0.05, 0, budget.EAGLE, 1)]
+    cands = [
+        Candidate(0.9, 0, budget.EAGLE, 0),
+        Candidate(0.5, 0, budget.CONTEXT, 0),
+        Candidate(0.05, 0, budget.EAGLE, 1),
+    ]
     flat, steep = CostTable.from_json(FLAT), CostTable.from_json(STEEP)
     assert len(budget.choose(cands, 1, flat, 0.0)[0]) == 3
     assert budget.choose(cands, 1, steep, 0.0)[0] == []
@@ -221,9 +228,15 @@ def test_one_slow_step_does_not_move_a_kinds_price():
     assert est.fixed(budget.DRAFT, 8) == 0.002  # the nearest batch measured, until batch 8 is
 
 
-GRID = CostGrid(contexts=(64, 512), batches=(1, 8), per_seq=(1, 2),
-                seconds=(((0.010, 0.011), (0.014, 0.020)),     # context 64: batch 1, batch 8
-                         ((0.011, 0.012), (0.020, 0.032))))    # context 512
+GRID = CostGrid(
+    contexts=(64, 512),
+    batches=(1, 8),
+    per_seq=(1, 2),
+    seconds=(
+        ((0.010, 0.011), (0.014, 0.020)),  # context 64: batch 1, batch 8
+        ((0.011, 0.012), (0.020, 0.032)),
+    ),
+)  # context 512
 
 
 def test_the_cost_grid_prices_rows_by_batch_and_context():
@@ -239,9 +252,15 @@ def test_the_cost_grid_prices_rows_by_batch_and_context():
 
 
 def test_a_noisy_grid_never_falls_with_rows_batch_or_context():
-    noisy = CostGrid(contexts=(64, 512), batches=(1, 8), per_seq=(1, 2),
-                     seconds=(((0.010, 0.009), (0.014, 0.020)),    # two rows measured cheaper than one
-                              ((0.011, 0.012), (0.013, 0.030))))   # batch 8 at 512 cheaper than at 64
+    noisy = CostGrid(
+        contexts=(64, 512),
+        batches=(1, 8),
+        per_seq=(1, 2),
+        seconds=(
+            ((0.010, 0.009), (0.014, 0.020)),  # two rows measured cheaper than one
+            ((0.011, 0.012), (0.013, 0.030)),
+        ),
+    )  # batch 8 at 512 cheaper than at 64
     assert noisy.seconds == (((0.010, 0.010), (0.014, 0.020)), ((0.011, 0.012), (0.014, 0.030)))
     assert noisy.at(8, 4096).seconds[0] >= noisy.at(8, 64).seconds[0]  # extrapolation never falls
     with pytest.raises(ValueError):
@@ -257,8 +276,10 @@ def test_rows_past_the_timed_ones_never_extrapolate_below_the_timings():
     assert budget.timed_row({1: 0.001, 3: 0.002}, (1, 2, 3, 5)) == pytest.approx((0.001, 0.0015, 0.002, 0.003))
 
 
-@pytest.mark.parametrize("max_running, limit, batches", [(64, 9, (1, 2, 4, 8)), (64, 0, (1, 2, 4, 8, 16)),
-                                                          (64, 5, (1, 2, 4)), (64, 2, (1,)), (3, 0, (1, 2))])
+@pytest.mark.parametrize(
+    "max_running, limit, batches",
+    [(64, 9, (1, 2, 4, 8)), (64, 0, (1, 2, 4, 8, 16)), (64, 5, (1, 2, 4)), (64, 2, (1,)), (3, 0, (1, 2))],
+)
 def test_calibration_times_the_batches_that_can_speculate(max_running, limit, batches):
     assert calibration_batches(max_running, limit) == batches
 
@@ -292,8 +313,9 @@ def test_a_tree_wider_than_the_triton_bitmask_is_refused_at_start_up():
     with pytest.raises(ValueError, match="at most 63"):
         check_tree_width(wide, "triton")
     with pytest.raises(ValueError, match="draft levels 8 x topk 8"):
-        check_tree_width(SpecConfig("EAGLE3", num_steps=9, eagle_topk=8, num_draft_tokens=16, context_tokens=0),
-                         "triton")
+        check_tree_width(
+            SpecConfig("EAGLE3", num_steps=9, eagle_topk=8, num_draft_tokens=16, context_tokens=0), "triton"
+        )
 
 
 def test_a_wide_batch_decodes_plainly_where_one_sequence_drafts():
@@ -315,8 +337,7 @@ def test_context_chain_merges_into_the_draft_tree():
     t.add(21, -1, -2.0)
     vt = build_verify_tree(7, t, [0, 1, 2], [11, 12, 13])
     assert vt.tokens == [7, 11, 12, 21, 13] and vt.parents == [-1, 0, 1, 0, 2]
-    assert vt.sources == [0, budget.EAGLE | budget.CONTEXT, budget.EAGLE | budget.CONTEXT, budget.EAGLE,
-                          budget.CONTEXT]
+    assert vt.sources == [0, budget.EAGLE | budget.CONTEXT, budget.EAGLE | budget.CONTEXT, budget.EAGLE, budget.CONTEXT]
 
 
 def test_calibration_learns_what_the_draft_confidence_is_worth_at_each_depth():
@@ -374,9 +395,13 @@ def test_draft_confidence_follows_each_candidate_and_the_greedy_walk_observes_it
     assert children.tolist() == [[100, 102, 102, 100]]  # frontier-major: j * k + m
     assert [dec.score(0, i)[1] for i in range(4)] == pytest.approx([0.5, 0.3, 0.8, 0.1])
     assert dec.score(0, 2)[0] == pytest.approx(math.log(0.3 * 0.8))
-    vt = VerifyTree([7, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 3, 2], [0, 1, 1, 2, 3, 2],
-                    [0, budget.EAGLE, budget.EAGLE, budget.EAGLE, budget.CONTEXT, budget.EAGLE],
-                    [0.0, 0.6, 0.3, 0.5, 0.0, 0.4])
+    vt = VerifyTree(
+        [7, 11, 12, 13, 14, 15],
+        [-1, 0, 0, 1, 3, 2],
+        [0, 1, 1, 2, 3, 2],
+        [0, budget.EAGLE, budget.EAGLE, budget.EAGLE, budget.CONTEXT, budget.EAGLE],
+        [0.0, 0.6, 0.3, 0.5, 0.0, 0.4],
+    )
     dec = _decisions(cost=CostTable.from_json(FLAT))
     dec._observe_calibration(vt, [1, 3], 99)  # 11 then 13 accepted, then the target chose 99
     cal = dec.leader.estimates.calibration
@@ -393,5 +418,3 @@ def test_calibrated_confidence_prices_the_tree():
     for _ in range(1000):
         est.calibration.observe(1, 0.25, True)
     assert len(budget.choose(cands(), 1, cost, 0.0)[0]) == 4
-
-

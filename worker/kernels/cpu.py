@@ -54,9 +54,14 @@ def build():
     with open(out / "build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (out / "lock").unlink(missing_ok=True)
-        return load(name="eaglegate_cpu_kernels", sources=[str(SOURCE)], build_directory=str(out),
-                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return load(
+            name="eaglegate_cpu_kernels",
+            sources=[str(SOURCE)],
+            build_directory=str(out),
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def ops(device: torch.device):

@@ -44,8 +44,9 @@ class StepRows:
 def step_rows(ids: list[int], positions: list[int], slices: list[SeqSlice], block_size: int) -> StepRows:
     slots: list[int] = []
     for s in slices:
-        slots += s.tree.write_slots if s.tree else slots_of(s.block_table, range(s.ctx_len, s.ctx_len + s.q_len),
-                                                            block_size)
+        slots += (
+            s.tree.write_slots if s.tree else slots_of(s.block_table, range(s.ctx_len, s.ctx_len + s.q_len), block_size)
+        )
     return StepRows(list(ids), list(positions), slots, *row_records(slices), [s.block_table for s in slices])
 
 
@@ -54,8 +55,9 @@ class StaticBuffers:
     slot and Triton row record; per sequence its block table. Rows past the step's n (up to the smallest bucket >=
     n) are padding, of sequence `max_seqs`, whose table names only the scratch block no sequence owns."""
 
-    def __init__(self, max_rows: int, max_seqs: int, max_blocks: int, scratch_block: int, block_size: int,
-                 device: torch.device):
+    def __init__(
+        self, max_rows: int, max_seqs: int, max_blocks: int, scratch_block: int, block_size: int, device: torch.device
+    ):
         self.max_rows, self.max_seqs, self.max_blocks = max_rows, max_seqs, max_blocks
         self.scratch_slot, self.pad_seq = scratch_block * block_size, max_seqs
         self.block_size = block_size
@@ -70,9 +72,12 @@ class StaticBuffers:
         self.tables = torch.full((max_seqs + 1, max_blocks), scratch_block, **i32)
 
     def fits(self, rows: StepRows) -> bool:
-        return (len(rows.ids) <= self.max_rows and len(rows.tables) <= self.max_seqs
-                and all(len(t) <= self.max_blocks for t in rows.tables)
-                and all(n <= MAX_TREE_NODES for n in rows.tree_len))
+        return (
+            len(rows.ids) <= self.max_rows
+            and len(rows.tables) <= self.max_seqs
+            and all(len(t) <= self.max_blocks for t in rows.tables)
+            and all(n <= MAX_TREE_NODES for n in rows.tree_len)
+        )
 
     def fill(self, rows: StepRows, bucket: int) -> None:
         """Write one step into rows [0, bucket): its rows first, then padding (token 0 at position 0, writing and
@@ -80,9 +85,15 @@ class StaticBuffers:
         that no row of this step reads."""
         pad = bucket - len(rows.ids)
         assert 0 <= pad and self.fits(rows), "the caller picks a bucket that holds the step"
-        fields = ((self.ids, rows.ids, 0), (self.positions, rows.positions, 0),
-                  (self.slots, rows.slots, self.scratch_slot), (self.seq, rows.seq, self.pad_seq),
-                  (self.limit, rows.limit, 1), (self.tree_len, rows.tree_len, 0), (self.tree_mask, rows.tree_mask, 0))
+        fields = (
+            (self.ids, rows.ids, 0),
+            (self.positions, rows.positions, 0),
+            (self.slots, rows.slots, self.scratch_slot),
+            (self.seq, rows.seq, self.pad_seq),
+            (self.limit, rows.limit, 1),
+            (self.tree_len, rows.tree_len, 0),
+            (self.tree_mask, rows.tree_mask, 0),
+        )
         for buf, values, padding in fields:
             host = torch.tensor(values + [padding] * pad, dtype=buf.dtype)
             buf[:bucket].copy_(host, non_blocking=True)
@@ -96,10 +107,17 @@ class StaticBuffers:
         """Views of the first `bucket` rows: what the Triton path of `attend` reads (the slots to write, the row
         records and the tables); the reference path's fields are empty."""
         empty = torch.empty(0, dtype=torch.long, device=self.ids.device)
-        paged = PagedRows(self.seq[:bucket], self.limit[:bucket], self.tree_len[:bucket], self.tree_mask[:bucket],
-                          self.tables)
-        return AttentionMetadata(slot_mapping=self.slots[:bucket], kv_slots=empty, mask=empty, spans=[],
-                                 paged=paged, block_size=self.block_size)
+        paged = PagedRows(
+            self.seq[:bucket], self.limit[:bucket], self.tree_len[:bucket], self.tree_mask[:bucket], self.tables
+        )
+        return AttentionMetadata(
+            slot_mapping=self.slots[:bucket],
+            kv_slots=empty,
+            mask=empty,
+            spans=[],
+            paged=paged,
+            block_size=self.block_size,
+        )
 
 
 class GraphRunner:

@@ -50,8 +50,10 @@ class QTensor:
     def cols(self, start: int, stop: int) -> QTensor:
         """A column range (row-parallel shards); it must fall on group boundaries."""
         if start % GROUP or stop % GROUP:
-            raise ValueError(f"a shard of columns {start}:{stop} splits a quantization group of {GROUP}; "
-                             "choose a tp size that divides the input dimension into multiples of 32")
+            raise ValueError(
+                f"a shard of columns {start}:{stop} splits a quantization group of {GROUP}; "
+                "choose a tp size that divides the input dimension into multiples of 32"
+            )
         g0, g1 = start // GROUP, stop // GROUP
         return QTensor(self.q[:, start:stop], self.scale[:, g0:g1], self.offset[:, g0:g1], self.bits)
 
@@ -164,8 +166,10 @@ class QBlocks:
         else:
             q = self.codes.view(blocks, groups, GROUP // 2, 16, 2).permute(0, 3, 1, 2, 4)
         q = q.reshape(blocks * 16, self.in_features)[: self.out_features]
-        scale, offset = (self.scale_offset[:, :, i].permute(0, 2, 1).reshape(blocks * 16, groups)[: self.out_features]
-                         .float() for i in (0, 1))
+        scale, offset = (
+            self.scale_offset[:, :, i].permute(0, 2, 1).reshape(blocks * 16, groups)[: self.out_features].float()
+            for i in (0, 1)
+        )
         return QTensor(q.contiguous(), scale.contiguous(), offset.contiguous(), self.bits)
 
 
@@ -186,8 +190,15 @@ def pack_blocks(qt: QTensor, dtype: torch.dtype) -> QBlocks:
     else:  # [block, group, pair, lane, 2]
         codes = q.view(blocks, 16, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
     lanes = [t.view(blocks, 16, groups).permute(0, 2, 1) for t in (scale, offset)]
-    return QBlocks(codes.contiguous().view(blocks, groups, -1), torch.stack(lanes, dim=2).half().contiguous(),
-                   qt.bits, n, k, dtype, kernels.qlinear)
+    return QBlocks(
+        codes.contiguous().view(blocks, groups, -1),
+        torch.stack(lanes, dim=2).half().contiguous(),
+        qt.bits,
+        n,
+        k,
+        dtype,
+        kernels.qlinear,
+    )
 
 
 def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> QBlocks | Int4Weight:
@@ -253,7 +264,9 @@ def resolve_quantization(method: str, dtype: torch.dtype, device: torch.device, 
     if method == "auto":
         return "gguf" if fast and checkpoint_kind == "gguf" else "none"
     if not fast:
-        raise ValueError(f"--quantization {method} runs on CPU with bfloat16 activations; this load has "
-                         f"{str(dtype).removeprefix('torch.')} on {device.type} (use --dtype bfloat16, or "
-                         "--quantization none)")
+        raise ValueError(
+            f"--quantization {method} runs on CPU with bfloat16 activations; this load has "
+            f"{str(dtype).removeprefix('torch.')} on {device.type} (use --dtype bfloat16, or "
+            "--quantization none)"
+        )
     return method

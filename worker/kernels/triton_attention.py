@@ -56,8 +56,13 @@ def paged_rows(seqs: list[SeqSlice], device: torch.device) -> PagedRows:
     for b, s in enumerate(seqs):
         tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
     i32 = {"dtype": torch.int32, "device": device}
-    return PagedRows(torch.tensor(seq, **i32), torch.tensor(limit, **i32), torch.tensor(tree_len, **i32),
-                     torch.tensor(tree_mask, dtype=torch.int64, device=device), tables.to(device))
+    return PagedRows(
+        torch.tensor(seq, **i32),
+        torch.tensor(limit, **i32),
+        torch.tensor(tree_len, **i32),
+        torch.tensor(tree_mask, dtype=torch.int64, device=device),
+        tables.to(device),
+    )
 
 
 @functools.cache
@@ -66,10 +71,26 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def paged_attention(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, limit_ptr, tree_len_ptr, tree_mask_ptr, table_ptr,
-                        table_stride, scale, block_size,
-                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+    def paged_attention(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        seq_ptr,
+        limit_ptr,
+        tree_len_ptr,
+        tree_mask_ptr,
+        table_ptr,
+        table_stride,
+        scale,
+        block_size,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(seq_ptr + row)
@@ -108,14 +129,38 @@ def _kernel():
     return paged_attention
 
 
-def triton_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: PagedRows,
-                  block_size: int, scale: float, block_n: int = 32) -> torch.Tensor:
+def triton_attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: PagedRows,
+    block_size: int,
+    scale: float,
+    block_n: int = 32,
+) -> torch.Tensor:
     """q: [N, H, D] (keys already written to the cache); returns [N, H, D] in float32."""
     n, h, d = q.shape
     hkv = k_cache.shape[1]
     g = h // hkv
     out = torch.empty(n, h, d, dtype=torch.float32, device=q.device)
-    _kernel()[(n, hkv)](q.float().contiguous(), k_cache.contiguous(), v_cache.contiguous(), out, rows.seq, rows.limit,
-                      rows.tree_len, rows.tree_mask, rows.block_tables, rows.block_tables.stride(0), scale,
-                      block_size, H=h, HKV=hkv, G=g, GP=max(2, 1 << (g - 1).bit_length()), D=d, BLOCK_N=block_n)
+    _kernel()[(n, hkv)](
+        q.float().contiguous(),
+        k_cache.contiguous(),
+        v_cache.contiguous(),
+        out,
+        rows.seq,
+        rows.limit,
+        rows.tree_len,
+        rows.tree_mask,
+        rows.block_tables,
+        rows.block_tables.stride(0),
+        scale,
+        block_size,
+        H=h,
+        HKV=hkv,
+        G=g,
+        GP=max(2, 1 << (g - 1).bit_length()),
+        D=d,
+        BLOCK_N=block_n,
+    )
     return out

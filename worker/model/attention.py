@@ -56,8 +56,9 @@ def _row_keys(mask: torch.Tensor, kv_slots: torch.Tensor, q_valid: torch.Tensor)
     return torch.where(valid, slots.gather(1, order), torch.zeros_like(order)), valid
 
 
-def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torch.device,
-                             backend: str = "torch") -> AttentionMetadata:
+def build_attention_metadata(
+    seqs: list[SeqSlice], block_size: int, device: torch.device, backend: str = "torch"
+) -> AttentionMetadata:
     if backend == "torch" and all(s.q_len <= ROW_WISE_MAX_Q for s in seqs) and cpu_kernels.ops(device) is not None:
         return _fused_row_metadata(seqs, block_size)
     B = len(seqs)
@@ -112,8 +113,9 @@ def build_attention_metadata(seqs: list[SeqSlice], block_size: int, device: torc
         spans=list(zip(starts.tolist(), q_lens.tolist(), kv_lens.tolist())),
         row_index=None if not rows else row_index.to(device),
         row_kv_slots=None if not rows else row_slots.to(device),
-        row_bias=None if not rows else torch.zeros(row_valid.shape).masked_fill(~row_valid, float("-inf"))
-        .unsqueeze(1).to(device),
+        row_bias=None
+        if not rows
+        else torch.zeros(row_valid.shape).masked_fill(~row_valid, float("-inf")).unsqueeze(1).to(device),
         row_counts=None if not rows else row_valid.sum(-1).to(device),
     )
 
@@ -142,14 +144,26 @@ def _fused_row_metadata(seqs: list[SeqSlice], block_size: int) -> AttentionMetad
             counts.append(s.ctx_len + len(own))
     n = len(counts)
     return AttentionMetadata(
-        slot_mapping=torch.cat(writes), kv_slots=None, mask=None,
+        slot_mapping=torch.cat(writes),
+        kv_slots=None,
+        mask=None,
         spans=[(0, s.q_len, 0) for s in seqs],  # only their q_len is read (no long chunk to attend)
-        row_index=torch.arange(n), row_kv_slots=torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
-        row_counts=torch.tensor(counts, dtype=torch.long), block_size=block_size)
+        row_index=torch.arange(n),
+        row_kv_slots=torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+        row_counts=torch.tensor(counts, dtype=torch.long),
+        block_size=block_size,
+    )
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, Hkv, D] for the new tokens. Writes k, v into the cache, returns [N, H, D]."""
     dtype = q.dtype
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
@@ -168,8 +182,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     return out.to(dtype)
 
 
-def attend_rotated(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, dtype: torch.dtype) -> torch.Tensor:
+def attend_rotated(
+    kernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The fused CPU path, after `kernels.rope_write_cache` has rotated q (float32 [N, H, D]) and written k, v: short
     chunks attend row by row in the fused kernel, long ones through SDPA. Returns [N, H, D] in dtype."""
     rows = meta.row_index
@@ -180,14 +201,25 @@ def attend_rotated(kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"attention metadata covers {covered} of {q.shape[0]} rows (built for another backend?)")
     out = torch.empty(q.shape, dtype=dtype)
     if rows is not None:
-        out.index_copy_(0, rows, kernels.attend_rows(q.index_select(0, rows), k_cache, v_cache, meta.row_kv_slots,
-                                                     meta.row_counts, scale, dtype))
+        out.index_copy_(
+            0,
+            rows,
+            kernels.attend_rows(
+                q.index_select(0, rows), k_cache, v_cache, meta.row_kv_slots, meta.row_counts, scale, dtype
+            ),
+        )
     _attend_chunks(q, k_cache, v_cache, meta, scale, out)
     return out
 
 
-def _attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, out: torch.Tensor) -> None:
+def _attend_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """Long chunks (prefill): one SDPA per sequence, so a sequence's numbers do not depend on its batch-mates."""
     for i, (start, q_len, kv_len) in enumerate(meta.spans):
         if q_len <= ROW_WISE_MAX_Q:
@@ -196,8 +228,9 @@ def _attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         kp = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
         vp = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
         qp = q[start : start + q_len].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask[i : i + 1, :, :q_len, :kv_len],
-                                           scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=meta.mask[i : i + 1, :, :q_len, :kv_len], scale=scale, enable_gqa=True
+        )
         out[start : start + q_len] = o[0].transpose(0, 1)
 
 
@@ -215,8 +248,9 @@ def _row_gather(meta: AttentionMetadata, hkv: int, dtype: torch.dtype) -> tuple[
     return cached
 
 
-def _attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+def _attend_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     N, H, D = q.shape
     width = meta.row_kv_slots.shape[1]
     hkv = k_cache.shape[1]

@@ -26,8 +26,9 @@ from worker.model.moe import SparseMoE, moe_param_map
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, in_features: int | None = None):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(in_features or cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                          cfg.attention_bias, tp, dtype)
+        self.qkv_proj = QKVParallelLinear(
+            in_features or cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias, tp, dtype
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, dtype)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -35,8 +36,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         p = self.qkv_proj
         n, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
@@ -48,8 +55,9 @@ class Attention(nn.Module):
         kernels = cpu_kernels.ops(x.device)
         if kernels is not None and meta.paged is None:  # fused: rotary and the cache write, then attention (f32 rope)
             q, k = qk.split([p.q_size // d, p.kv_size // d], dim=1)
-            q = kernels.rope_write_cache(q, k, v, rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache,
-                                         meta.slot_mapping)
+            q = kernels.rope_write_cache(
+                q, k, v, rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache, meta.slot_mapping
+            )
             out = attend_rotated(kernels, q, k_cache, v_cache, meta, self.scale, x.dtype)
         else:
             qk = rope_rows(qk, *(t.to(qk.dtype) for t in rope))  # q and k heads rotated together
@@ -74,8 +82,9 @@ def fused_layer(layer: nn.Module, x: torch.Tensor, meta: AttentionMetadata):
     """(cpu_kernels, the layer's weights) where the layer runs as one call this step (every row attends row-wise:
     decode, verify, short chunks), else None."""
     rows, kernels = meta.row_index, cpu_kernels.ops(x.device)
-    if not (FUSED_LAYERS and kernels is not None and meta.paged is None and rows is not None
-            and rows.numel() == x.shape[0]):
+    if not (
+        FUSED_LAYERS and kernels is not None and meta.paged is None and rows is not None and rows.numel() == x.shape[0]
+    ):
         return None
     weights = fused_weights(layer, kernels, x.dtype)
     return None if weights is None else (kernels, weights)
@@ -102,32 +111,58 @@ def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
     mods = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     key = tuple(getattr(m, "qweight", None) for m in mods)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    usable = (isinstance(mlp, GatedMLP) and attn.qkv_proj.tp.size == 1
-              and not hasattr(attn, "q_norm") and all(isinstance(n, RMSNorm) for n in norms)
-              and all(isinstance(w, QBlocks) and w.kernel is kernels.qlinear for w in key)
-              and all(m.bias is None for m in mods) and norms[0].weight.dtype == dtype == norms[1].weight.dtype)
+    usable = (
+        isinstance(mlp, GatedMLP)
+        and attn.qkv_proj.tp.size == 1
+        and not hasattr(attn, "q_norm")
+        and all(isinstance(n, RMSNorm) for n in norms)
+        and all(isinstance(w, QBlocks) and w.kernel is kernels.qlinear for w in key)
+        and all(m.bias is None for m in mods)
+        and norms[0].weight.dtype == dtype == norms[1].weight.dtype
+    )
     fused = None
     if usable:
         p = attn.qkv_proj
         qw = [kernels.QWeight(w.codes, w.scale_offset, w.bits, w.out_features) for w in key]
-        fused = kernels.LayerWeights(norms[0].weight, norms[1].weight, norms[0].eps, *qw, p.q_size // attn.head_dim,
-                                     p.kv_size // attn.head_dim, attn.head_dim, attn.scale)
+        fused = kernels.LayerWeights(
+            norms[0].weight,
+            norms[1].weight,
+            norms[0].eps,
+            *qw,
+            p.q_size // attn.head_dim,
+            p.kv_size // attn.head_dim,
+            attn.head_dim,
+            attn.scale,
+        )
     layer._fused = (mods, key, fused)
     return fused
 
 
-def fused_args(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor | list[torch.Tensor],
-               v_cache: torch.Tensor | list[torch.Tensor], meta: AttentionMetadata) -> tuple:
+def fused_args(
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor | list[torch.Tensor],
+    v_cache: torch.Tensor | list[torch.Tensor],
+    meta: AttentionMetadata,
+) -> tuple:
     """The per-step arguments of cpu_kernels.decoder_layer / layer_after_norm after the weights and inputs (one
     layer's caches), or of decoder_stack (every layer's)."""
     n = x.shape[0]
-    return (rope[0].view(n, -1), rope[1].view(n, -1), k_cache, v_cache, meta.slot_mapping, meta.row_kv_slots,
-            meta.row_counts)
+    return (
+        rope[0].view(n, -1),
+        rope[1].view(n, -1),
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.row_kv_slots,
+        meta.row_counts,
+    )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, input_norm: bool = True,
-                 moe: SparseMoE | None = None):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, input_norm: bool = True, moe: SparseMoE | None = None
+    ):
         super().__init__()
         # EAGLE-1/2 draft layers have no input norm: their input is already a fused, normed feature
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else nn.Identity()
@@ -149,22 +184,42 @@ class CausalLM(nn.Module):
     """forward() returns the final-normed hidden states plus the residual stream after each of `aux_layers`
     (what EAGLE-3 fuses); compute_logits() applies the vocab-parallel LM head."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int,
-                 aux_layers: tuple[int, ...] = (), router_noise: float = 0.0, local_routing: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        max_positions: int,
+        aux_layers: tuple[int, ...] = (),
+        router_noise: float = 0.0,
+        local_routing: bool = False,
+    ):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.aux_layers = set(aux_layers)
         self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, dtype, moe=SparseMoE(cfg, tp, dtype, router_noise, local_routing)
-                         if i in cfg.moe_layers else None) for i in range(cfg.num_layers))
+            DecoderLayer(
+                cfg,
+                tp,
+                dtype,
+                moe=SparseMoE(cfg, tp, dtype, router_noise, local_routing) if i in cfg.moe_layers else None,
+            )
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype,
-                                      self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp, dtype, self.embed_tokens if cfg.tie_word_embeddings else None
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed_tokens(input_ids)
         rope = self.rope.table(positions, rope_dtype(x))
         stack = fused_stack(self, x, meta)
@@ -185,8 +240,10 @@ class CausalLM(nn.Module):
 
     def param_map(self) -> dict[str, tuple[str, object]]:
         """Checkpoint (Hugging Face) name -> (this module's parameter name, shard id)."""
-        m: dict[str, tuple[str, object]] = {"model.embed_tokens.weight": ("embed_tokens.weight", None),
-                                           "model.norm.weight": ("norm.weight", None)}
+        m: dict[str, tuple[str, object]] = {
+            "model.embed_tokens.weight": ("embed_tokens.weight", None),
+            "model.norm.weight": ("norm.weight", None),
+        }
         if not self.cfg.tie_word_embeddings:
             m["lm_head.weight"] = ("lm_head.weight", None)
         for i in range(self.cfg.num_layers):
@@ -197,8 +254,9 @@ class CausalLM(nn.Module):
         return m
 
 
-def layer_param_map(src: str, dst: str, qkv_bias: bool = False, input_norm: bool = True,
-                    qk_norm: bool = False, mlp: bool = True) -> dict:
+def layer_param_map(
+    src: str, dst: str, qkv_bias: bool = False, input_norm: bool = True, qk_norm: bool = False, mlp: bool = True
+) -> dict:
     """Checkpoint names of one decoder layer -> (packed parameter, shard id), for targets and draft heads."""
     m: dict[str, tuple[str, object]] = {}
     for proj in ("q", "k", "v"):

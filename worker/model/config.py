@@ -102,7 +102,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         rope_theta=float(theta),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+        attention_bias=arch == "qwen2"
+        or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
         or bool(hf.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling),
         eos_token_ids=eos_ids,
@@ -114,36 +115,54 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def _moe_fields(arch: str, hf: dict) -> dict:
     if arch == "mixtral":
-        return {"num_experts": hf["num_local_experts"], "experts_per_token": hf["num_experts_per_tok"],
-                "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
-                "moe_layers": tuple(range(hf["num_hidden_layers"]))}
+        return {
+            "num_experts": hf["num_local_experts"],
+            "experts_per_token": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["intermediate_size"],
+            "norm_topk_prob": True,
+            "moe_layers": tuple(range(hf["num_hidden_layers"])),
+        }
     if arch in ("qwen2_moe", "qwen3_moe"):
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
         experts = hf.get("num_experts", hf.get("num_local_experts", 0))  # Qwen's name, or transformers 5's
-        layers = tuple(i for i in range(hf["num_hidden_layers"])
-                       if i not in dense and experts > 0 and (i + 1) % step == 0)
-        return {"num_experts": experts, "experts_per_token": hf["num_experts_per_tok"],
-                "moe_intermediate_size": hf["moe_intermediate_size"],
-                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": layers,
-                **({"shared_expert_intermediate_size": hf["shared_expert_intermediate_size"],
-                    "shared_expert_gate": True} if arch == "qwen2_moe" else {})}
+        layers = tuple(
+            i for i in range(hf["num_hidden_layers"]) if i not in dense and experts > 0 and (i + 1) % step == 0
+        )
+        return {
+            "num_experts": experts,
+            "experts_per_token": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "moe_layers": layers,
+            **(
+                {"shared_expert_intermediate_size": hf["shared_expert_intermediate_size"], "shared_expert_gate": True}
+                if arch == "qwen2_moe"
+                else {}
+            ),
+        }
     if arch == "glm4_moe":
         dense = hf.get("first_k_dense_replace", 1)  # transformers' defaults where a config leaves them out
-        return {"num_experts": hf["n_routed_experts"], "experts_per_token": hf["num_experts_per_tok"],
-                "moe_intermediate_size": hf["moe_intermediate_size"],
-                "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-                "moe_layers": tuple(range(dense, hf["num_hidden_layers"])), "routing": "grouped_sigmoid",
-                "expert_groups": hf.get("n_group", 1), "topk_group": hf.get("topk_group", 1),
-                "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-                "shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf.get("n_shared_experts", 1),
-                "mtp_layers": hf.get("num_nextn_predict_layers", 0)}
+        return {
+            "num_experts": hf["n_routed_experts"],
+            "experts_per_token": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "moe_layers": tuple(range(dense, hf["num_hidden_layers"])),
+            "routing": "grouped_sigmoid",
+            "expert_groups": hf.get("n_group", 1),
+            "topk_group": hf.get("topk_group", 1),
+            "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+            "shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf.get("n_shared_experts", 1),
+            "mtp_layers": hf.get("num_nextn_predict_layers", 0),
+        }
     return {}
 
 
 def _rotary_dim(hf: dict, head_dim: int, rope_params: dict, arch: str) -> int:
     """GLM-4 MoE rotates half of each head (transformers' default partial_rotary_factor for it); others all."""
-    factor = hf.get("partial_rotary_factor", rope_params.get("partial_rotary_factor",
-                                                              0.5 if arch == "glm4_moe" else 1.0))
+    factor = hf.get(
+        "partial_rotary_factor", rope_params.get("partial_rotary_factor", 0.5 if arch == "glm4_moe" else 1.0)
+    )
     return int(head_dim * factor)
 
 

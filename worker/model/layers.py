@@ -173,8 +173,9 @@ class ReplicatedLinear(nn.Module):
 class QKVParallelLinear(nn.Module):
     """Packed q, k, v projections, column-parallel by heads (KV heads replicated when tp > kv heads)."""
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype):
+    def __init__(
+        self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, tp: TPGroup, dtype: torch.dtype
+    ):
         super().__init__()
         self.tp, self.hidden, self.head_dim = tp, hidden, head_dim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -261,8 +262,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Vocab-split output projection; local logits are gathered so every rank sees the full row."""
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype,
-                 tied_to: VocabParallelEmbedding | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        tied_to: VocabParallelEmbedding | None = None,
+    ):
         super().__init__()
         self.tp, self.vocab_size, self.hidden = tp, vocab_size, hidden
         self.rows = math.ceil(vocab_size / tp.size)

@@ -38,20 +38,30 @@ def check_tp_divisibility(cfg: ModelConfig, tp_size: int) -> None:
     if cfg.intermediate_size % tp_size:
         raise ModelLoadError(f"tp_size {tp_size} does not divide intermediate size {cfg.intermediate_size}")
     if cfg.num_experts and cfg.moe_intermediate_size % tp_size:
-        raise ModelLoadError(f"tp_size {tp_size} does not divide the experts' intermediate size "
-                             f"{cfg.moe_intermediate_size}")
+        raise ModelLoadError(
+            f"tp_size {tp_size} does not divide the experts' intermediate size {cfg.moe_intermediate_size}"
+        )
     if cfg.shared_expert_intermediate_size % tp_size:
-        raise ModelLoadError(f"tp_size {tp_size} does not divide the shared expert's intermediate size "
-                             f"{cfg.shared_expert_intermediate_size}")
+        raise ModelLoadError(
+            f"tp_size {tp_size} does not divide the shared expert's intermediate size "
+            f"{cfg.shared_expert_intermediate_size}"
+        )
 
 
-def load_target(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype,
-                show_progress: bool = False) -> tuple[CausalLM, ModelConfig]:
+def load_target(
+    config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype, show_progress: bool = False
+) -> tuple[CausalLM, ModelConfig]:
     cfg = load_model_config(source)
     check_tp_divisibility(cfg, tp.size)
     max_pos = config.max_model_len or cfg.max_position_embeddings
-    model = CausalLM(cfg, tp, dtype, max_pos, router_noise=config.debug_rank_router_noise,
-                     local_routing=config.debug_skip_decision_broadcast)
+    model = CausalLM(
+        cfg,
+        tp,
+        dtype,
+        max_pos,
+        router_noise=config.debug_rank_router_noise,
+        local_routing=config.debug_skip_decision_broadcast,
+    )
     try:
         method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
     except ValueError as e:

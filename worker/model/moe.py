@@ -25,6 +25,7 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+
         def copy(p: torch.Tensor, w: torch.Tensor, shard_id=None) -> None:  # checkpoint dtype -> float32
             _check_shape("router weight", w.shape, tuple(p.shape))
             p.data.copy_(w)
@@ -60,13 +61,15 @@ def top_k_routing(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | N
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, router_noise: float = 0.0,
-                 local_routing: bool = False):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, router_noise: float = 0.0, local_routing: bool = False
+    ):
         super().__init__()
         self.tp, self.cfg = tp, cfg
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, tp, dtype)
-                                     for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, tp, dtype) for _ in range(cfg.num_experts)
+        )
         if cfg.shared_expert_intermediate_size:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, tp, dtype)
         # fault injection (tests): router logits that differ by rank, and the bug of routing on every rank
@@ -84,8 +87,9 @@ class SparseMoE(nn.Module):
             xf = x.float()
             logits = F.linear(xf, self.gate.weight)
             if self.router_noise:
-                logits = logits + self.router_noise * torch.randn(logits.shape, generator=self.noise,
-                                                                  device=logits.device)
+                logits = logits + self.router_noise * torch.randn(
+                    logits.shape, generator=self.noise, device=logits.device
+                )
             weights, ids = top_k_routing(logits, self.cfg, getattr(self.gate, "e_score_correction_bias", None))
             packed[:, :k], packed[:, k : 2 * k] = ids.cpu(), weights.cpu()  # float64 holds both exactly
             if gated:
@@ -116,8 +120,9 @@ def moe_param_map(src: str, dst: str, cfg: ModelConfig) -> dict:
     mlp gate_proj/up_proj/down_proj of Qwen-MoE and GLM-4 MoE (with their shared experts, Qwen2-MoE's shared-expert
     gate and GLM's score bias)."""
     mixtral = cfg.architecture == "mixtral"
-    block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else \
-        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    block, (gate, up, down) = (
+        ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     m = {f"{src}{block}.gate.weight": (f"{dst}mlp.gate.weight", None)}
     if cfg.routing == "grouped_sigmoid":
         m[f"{src}{block}.gate.e_score_correction_bias"] = (f"{dst}mlp.gate.e_score_correction_bias", None)

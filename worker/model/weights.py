@@ -38,8 +38,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -68,8 +71,10 @@ def gguf_tensor(t, method: str) -> torch.Tensor | QTensor:
 
     kind = t.tensor_type.name
     if kind not in GGUF_SUPPORTED:
-        raise ModelLoadError(f"GGUF tensor {t.name} has type {kind}, which eaglegate cannot load; supported types: "
-                             f"{', '.join(GGUF_SUPPORTED)} (convert the file with llama.cpp's llama-quantize)")
+        raise ModelLoadError(
+            f"GGUF tensor {t.name} has type {kind}, which eaglegate cannot load; supported types: "
+            f"{', '.join(GGUF_SUPPORTED)} (convert the file with llama.cpp's llama-quantize)"
+        )
     bits = METHOD_BITS.get(method)
     if kind in GGUF_EXACT and (method == "gguf" or GGUF_EXACT[kind] == bits):
         return gguf_blocks(np.asarray(t.data), kind, (int(t.shape[1]), int(t.shape[0])))
@@ -79,8 +84,9 @@ def gguf_tensor(t, method: str) -> torch.Tensor | QTensor:
     return w
 
 
-def iter_gguf(path: Path, cfg: ModelConfig, show_progress: bool,
-              method: str = "none") -> Iterator[tuple[str, torch.Tensor | QTensor]]:
+def iter_gguf(
+    path: Path, cfg: ModelConfig, show_progress: bool, method: str = "none"
+) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     try:
         reader = read_gguf(path)
     except Exception as e:
@@ -123,8 +129,9 @@ def iter_safetensors(folder: Path, show_progress: bool) -> Iterator[tuple[str, t
             raise ModelLoadError(f"cannot read {folder / fname} (truncated or corrupt?): {e}") from e
 
 
-def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
-                    method: str = "none") -> Iterator[tuple[str, torch.Tensor | QTensor]]:
+def iter_checkpoint(
+    source: ModelSource, cfg: ModelConfig, show_progress: bool, method: str = "none"
+) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     if source.kind == "gguf":
         return iter_gguf(source.path, cfg, show_progress, method)
     tensors = iter_safetensors(source.path, show_progress)
@@ -138,12 +145,17 @@ def iter_checkpoint(source: ModelSource, cfg: ModelConfig, show_progress: bool,
 
 
 def _stays_dense(name: str) -> bool:
-    return "embed_tokens" in name or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
-                                                    "shared_expert_gate.weight"))
+    return "embed_tokens" in name or name.endswith(
+        ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+    )
 
 
-def load_weights(model: nn.Module, name_map: dict[str, tuple[str, object]],
-                 tensors: Iterator[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()) -> None:
+def load_weights(
+    model: nn.Module,
+    name_map: dict[str, tuple[str, object]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    ignore: tuple[str, ...] = (),
+) -> None:
     """Feed each checkpoint tensor to its parameter's weight_loader; every parameter exactly once."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(name_map)

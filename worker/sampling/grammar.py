@@ -68,8 +68,9 @@ class Grammars:
         import xgrammar as xgr
 
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                      stop_token_ids=list(self.stop_ids))
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(self.stop_ids)
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         compiled = self._compiled.pop(spec, None) or self._compiler.compile_grammar(_grammar(spec))
         self._compiled[spec] = compiled  # most recently used last
@@ -110,7 +111,7 @@ class Matcher:
 
     def speculate(self, path_tokens: list[int]) -> None:
         """Bring the matcher to committed + path_tokens (a verify walk only ever extends its path)."""
-        for tok in path_tokens[self._walked:]:
+        for tok in path_tokens[self._walked :]:
             self._rollback += int(self.accept(tok))
         self._walked = max(self._walked, len(path_tokens))
 

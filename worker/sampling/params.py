@@ -111,8 +111,11 @@ class SamplingParams:
             "top_logprobs",
             f"top_logprobs must be in [0, 20], got {self.logprobs!r}",
         )
-        check(all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias",
-              "logit_bias values must be in [-100, 100]")
+        check(
+            all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
+            "logit_bias",
+            "logit_bias values must be in [-100, 100]",
+        )
         check(len(self.logit_bias) <= 1024, "logit_bias", "logit_bias may name at most 1024 tokens")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]

@@ -39,7 +39,9 @@ inline float to_f(c10::BFloat16 v) {
 }
 
 template <typename T>
-inline T from_f(float v) { return static_cast<T>(v); }
+inline T from_f(float v) {
+  return static_cast<T>(v);
+}
 template <>
 inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
   uint32_t b;
@@ -112,8 +114,7 @@ inline float dot(const float* a, const C* b, int64_t n) {
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t c, float eps) {
   float inv = 1.0f / std::sqrt(sum_squares(x, c) / static_cast<float>(c) + eps);
-  for (int64_t i = 0; i < c; ++i)
-    out[i] = from_f<T>(to_f(x[i]) * inv * to_f(w[i]));
+  for (int64_t i = 0; i < c; ++i) out[i] = from_f<T>(to_f(x[i]) * inv * to_f(w[i]));
 }
 
 void check_rows(const torch::Tensor& x, const char* name) {
@@ -162,8 +163,8 @@ inline __m512 sum16(const __m512* v) {
 // weighted sum of values run in a fixed order over the row's own keys, so its result is the same whatever other
 // heads or rows run beside it.
 template <typename C, int H>
-inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots,
-                           int64_t len, int64_t width, float scale, float* p, float* out) {
+inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
+                           int64_t width, float scale, float* p, float* out) {
   __m512 part[H][16];
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(k0 + slots[t] * stride);
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
@@ -219,16 +220,24 @@ inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t str
 
 // Heads [g0, g0 + count) of one row, at most 4 at a time (their accumulators stay in registers).
 template <typename C>
-inline void attend_group64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots,
-                           int64_t len, int64_t width, float scale, float* p, float* out, int count) {
+inline void attend_group64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
+                           int64_t width, float scale, float* p, float* out, int count) {
   for (int h = 0; h < count; h += 4) {
     const float* qh = q + h * 64;
     float* oh = out + h * 64;
     switch (std::min(4, count - h)) {
-      case 1: attend_heads64<C, 1>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
-      case 2: attend_heads64<C, 2>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
-      case 3: attend_heads64<C, 3>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
-      default: attend_heads64<C, 4>(qh, k0, v0, stride, slots, len, width, scale, p, oh); break;
+      case 1:
+        attend_heads64<C, 1>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        break;
+      case 2:
+        attend_heads64<C, 2>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        break;
+      case 3:
+        attend_heads64<C, 3>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        break;
+      default:
+        attend_heads64<C, 4>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        break;
     }
   }
 }
@@ -293,8 +302,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
     at::parallel_for(0, n, ROW_GRAIN, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         scalar_t* s = sp + r * c;
-        for (int64_t i = 0; i < c; ++i)
-          s[i] = from_f<scalar_t>(to_f(xp[r * xs + i]) + to_f(dp[r * ds + i]));
+        for (int64_t i = 0; i < c; ++i) s[i] = from_f<scalar_t>(to_f(xp[r * xs + i]) + to_f(dp[r * ds + i]));
         norm_row(s, wp, op + r * c, c, static_cast<float>(eps));
       }
     });
@@ -329,9 +337,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // dims), then k and v written to the caches [slots, Hkv, D] (float32, or bfloat16 for bfloat16 models) at
 // slot_mapping. q, k, v: [N, heads, D] views
 // with contiguous heads (slices of the fused QKV output). Returns the rotated q, [N, H, D] float32.
-torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                               torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor slot_mapping) {
+torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping) {
   int64_t n = q.size(0), h = q.size(1), hkv = k.size(1), d = q.size(2), rot = cos.size(1), half = rot / 2;
   for (const auto* t : {&q, &k, &v})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == d && t->scalar_type() == q.scalar_type(),
@@ -403,54 +410,54 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   int64_t slots_total = k_cache.size(0);
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(cn[r] >= 1 && cn[r] <= width, "each row needs 1..width keys");
-    for (int64_t j = 0; j < cn[r]; ++j) TORCH_CHECK(sl[r * width + j] >= 0 && sl[r * width + j] < slots_total,
-                                                    "key slot out of range");
+    for (int64_t j = 0; j < cn[r]; ++j)
+      TORCH_CHECK(sl[r * width + j] >= 0 && sl[r * width + j] < slots_total, "key slot out of range");
   }
   auto out = torch::empty({n, h, d}, q.options().dtype(out_dtype));
   const float* qp = q.data_ptr<float>();
   int64_t group = h / hkv;
   float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "attend_rows", [&] {
-   scalar_t* op = out.data_ptr<scalar_t>();
-   with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
 #ifdef __AVX512F__
-    if (d == 64) {  // one item per (row, KV head): its query heads share each key and value load
-      at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
-        std::vector<float> p(4 * width);
-        std::vector<float> acc(group * d);
+      if (d == 64) {  // one item per (row, KV head): its query heads share each key and value load
+        at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
+          std::vector<float> p(4 * width);
+          std::vector<float> acc(group * d);
+          for (int64_t item = b; item < e; ++item) {
+            int64_t r = item / hkv, kvh = item % hkv, first = (r * h + kvh * group) * d;
+            attend_group64(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * width, cn[r], width, sc, p.data(),
+                           acc.data(), static_cast<int>(group));
+            for (int64_t i = 0; i < group * d; ++i) op[first + i] = from_f<scalar_t>(acc[i]);
+          }
+        });
+        return;
+      }
+#endif
+      at::parallel_for(0, n * h, 1, [&](int64_t b, int64_t e) {
+        std::vector<float> p(width);
+        std::vector<float> acc(d);
         for (int64_t item = b; item < e; ++item) {
-          int64_t r = item / hkv, kvh = item % hkv, first = (r * h + kvh * group) * d;
-          attend_group64(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * width, cn[r], width, sc,
-                         p.data(), acc.data(), static_cast<int>(group));
-          for (int64_t i = 0; i < group * d; ++i) op[first + i] = from_f<scalar_t>(acc[i]);
+          int64_t r = item / h, j = item % h, kvh = j / group, len = cn[r];
+          const float* qr = qp + item * d;
+          const int64_t* rs = sl + r * width;
+          for (int64_t t = 0; t < len; ++t) p[t] = dot(qr, kc + (rs[t] * hkv + kvh) * d, d) * sc;
+          float m = p[0];
+          for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
+          for (int64_t t = 0; t < len; ++t) p[t] = exp_approx(p[t] - m);
+          float total = lane_sum(p.data(), len);
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t t = 0; t < len; ++t) {
+            const auto* vr = vc + (rs[t] * hkv + kvh) * d;
+            float pt = p[t];
+            for (int64_t i = 0; i < d; ++i) acc[i] += pt * to_f(vr[i]);
+          }
+          float inv = 1.0f / total;
+          for (int64_t i = 0; i < d; ++i) op[item * d + i] = from_f<scalar_t>(acc[i] * inv);
         }
       });
-      return;
-    }
-#endif
-    at::parallel_for(0, n * h, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> p(width);
-      std::vector<float> acc(d);
-      for (int64_t item = b; item < e; ++item) {
-        int64_t r = item / h, j = item % h, kvh = j / group, len = cn[r];
-        const float* qr = qp + item * d;
-        const int64_t* rs = sl + r * width;
-        for (int64_t t = 0; t < len; ++t) p[t] = dot(qr, kc + (rs[t] * hkv + kvh) * d, d) * sc;
-        float m = p[0];
-        for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
-        for (int64_t t = 0; t < len; ++t) p[t] = exp_approx(p[t] - m);
-        float total = lane_sum(p.data(), len);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t t = 0; t < len; ++t) {
-          const auto* vr = vc + (rs[t] * hkv + kvh) * d;
-          float pt = p[t];
-          for (int64_t i = 0; i < d; ++i) acc[i] += pt * to_f(vr[i]);
-        }
-        float inv = 1.0f / total;
-        for (int64_t i = 0; i < d; ++i) op[item * d + i] = from_f<scalar_t>(acc[i] * inv);
-      }
     });
-   });
   });
   return out;
 }
@@ -519,8 +526,7 @@ inline void bf16_pairs(const uint8_t* c, int p, __m512i lut, __m512i& a, __m512i
   } else {
     auto pair = [&](const uint8_t* q) {
       __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-      __m512 hi =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
       return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // exact: |q| <= 128
     };
     a = pair(c + p * 64);
@@ -539,8 +545,8 @@ inline int32_t input_pair(const c10::BFloat16* x) {  // inputs x[0], x[1] as one
 // Rows r0.. r0 + R of one block of 16 outputs: per group, two dot-product chains per row (the pairs 4p, 4p + 1 and
 // 4p + 2, 4p + 3), then the group's scale and offset (more chains, or two blocks at once, measure slower).
 template <int BITS, int R>
-inline void qlinear_block(const c10::BFloat16* x, const float* xsum, int64_t k, const uint8_t* codes, const at::Half* sz,
-                          int64_t blk, float* y, int64_t n, __m512i lut) {
+inline void qlinear_block(const c10::BFloat16* x, const float* xsum, int64_t k, const uint8_t* codes,
+                          const at::Half* sz, int64_t blk, float* y, int64_t n, __m512i lut) {
   const int64_t groups = k / QGROUP, gbytes = QGROUP * QBLOCK * BITS / 8;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -590,14 +596,30 @@ void qlinear_avx512(const c10::BFloat16* x, const float* xsum, int64_t m, int64_
       const float* sr = xsum + r0 * groups;
       float* yr = y + r0 * n;
       switch (rows) {
-        case 1: qlinear_rows<BITS, 1>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        case 2: qlinear_rows<BITS, 2>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        case 3: qlinear_rows<BITS, 3>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        case 4: qlinear_rows<BITS, 4>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        case 5: qlinear_rows<BITS, 5>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        case 6: qlinear_rows<BITS, 6>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        case 7: qlinear_rows<BITS, 7>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
-        default: qlinear_rows<BITS, 8>(xr, sr, k, codes, sz, t0, t1, yr, n); break;
+        case 1:
+          qlinear_rows<BITS, 1>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        case 2:
+          qlinear_rows<BITS, 2>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        case 3:
+          qlinear_rows<BITS, 3>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        case 4:
+          qlinear_rows<BITS, 4>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        case 5:
+          qlinear_rows<BITS, 5>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        case 6:
+          qlinear_rows<BITS, 6>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        case 7:
+          qlinear_rows<BITS, 7>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
+        default:
+          qlinear_rows<BITS, 8>(xr, sr, k, codes, sz, t0, t1, yr, n);
+          break;
       }
     }
   }
@@ -633,12 +655,12 @@ struct alignas(64) TileConfig {
 // One group's sums for the tile's rows: tile TC = rows of x (tile TA) times a group's widened codes (tile TB). A macro:
 // GCC's tile intrinsics take the tile numbers as literal register names.
 #define AMX_GROUP_SUMS(TC, TA, TB, x, stride, weights, sums) \
-  do {                                                        \
-    _tile_zero(TC);                                           \
-    _tile_loadd(TA, x, stride);                               \
-    _tile_loadd(TB, weights, 64);                             \
-    _tile_dpbf16ps(TC, TA, TB);                               \
-    _tile_stored(TC, sums, 64);                               \
+  do {                                                       \
+    _tile_zero(TC);                                          \
+    _tile_loadd(TA, x, stride);                              \
+    _tile_loadd(TB, weights, 64);                            \
+    _tile_dpbf16ps(TC, TA, TB);                              \
+    _tile_stored(TC, sums, 64);                              \
   } while (0)
 
 template <int BITS>
@@ -703,8 +725,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
               "scale_offset must be contiguous float16 [blocks, groups, 2, 16]");
   int64_t m = x.size(0), k = x.size(1), blocks = scale_offset.size(0), groups = scale_offset.size(1);
   TORCH_CHECK(k == groups * QGROUP, "in_features ", k, " is not groups x 32 = ", groups * QGROUP);
-  TORCH_CHECK(out_features > (blocks - 1) * QBLOCK && out_features <= blocks * QBLOCK, "out_features ",
-              out_features, " does not fit ", blocks, " blocks of 16");
+  TORCH_CHECK(out_features > (blocks - 1) * QBLOCK && out_features <= blocks * QBLOCK, "out_features ", out_features,
+              " does not fit ", blocks, " blocks of 16");
   TORCH_CHECK((codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar) && codes.is_contiguous() &&
                   codes.numel() == blocks * QBLOCK * k * bits / 8,
               "codes must be contiguous bytes, blocks x 16 x in_features x bits / 8");
@@ -740,13 +762,17 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
       const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
 #ifdef EAGLEGATE_AMX
       if (amx) {
-        if (bits == 4) qlinear_amx<4>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
-        else qlinear_amx<8>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
+        if (bits == 4)
+          qlinear_amx<4>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
+        else
+          qlinear_amx<8>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
         return;
       }
 #endif
-      if (bits == 4) qlinear_avx512<4>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
-      else qlinear_avx512<8>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
+      if (bits == 4)
+        qlinear_avx512<4>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
+      else
+        qlinear_avx512<8>(xp, xsp, m, k, cp, sp, b0, b1, yp, out_features);
       return;
     }
 #endif
@@ -799,9 +825,9 @@ torch::Tensor layer_after_norm(const LayerWeights& w, torch::Tensor x, torch::Te
                                torch::Tensor slot_mapping, torch::Tensor row_slots, torch::Tensor row_counts) {
   int64_t n = x.size(0), d = w.head_dim, qs = w.heads * d, kvs = w.kv_heads * d;
   auto qkv = w.qkv(h);
-  auto q = rope_write_cache(qkv.narrow(1, 0, qs).view({n, w.heads, d}), qkv.narrow(1, qs, kvs).view({n, w.kv_heads, d}),
-                            qkv.narrow(1, qs + kvs, kvs).view({n, w.kv_heads, d}), cos, sin, k_cache, v_cache,
-                            slot_mapping);
+  auto q =
+      rope_write_cache(qkv.narrow(1, 0, qs).view({n, w.heads, d}), qkv.narrow(1, qs, kvs).view({n, w.kv_heads, d}),
+                       qkv.narrow(1, qs + kvs, kvs).view({n, w.kv_heads, d}), cos, sin, k_cache, v_cache, slot_mapping);
   auto att = attend_rows(q, k_cache, v_cache, row_slots, row_counts, w.scale, x.scalar_type());
   auto normed = add_rms_norm(x, w.o(att.reshape({n, qs})), w.post_norm, w.eps);
   return normed[0] + w.down(silu_mul(w.gate_up(normed[1])));
@@ -810,8 +836,8 @@ torch::Tensor layer_after_norm(const LayerWeights& w, torch::Tensor x, torch::Te
 torch::Tensor decoder_layer(const LayerWeights& w, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                             torch::Tensor row_slots, torch::Tensor row_counts) {
-  return layer_after_norm(w, x, rms_norm(x, w.input_norm, w.eps), cos, sin, k_cache, v_cache, slot_mapping,
-                          row_slots, row_counts);
+  return layer_after_norm(w, x, rms_norm(x, w.input_norm, w.eps), cos, sin, k_cache, v_cache, slot_mapping, row_slots,
+                          row_counts);
 }
 
 // Every layer of a decode or verify step in one call: the same decoder_layer calls in the same order, so the bits are
@@ -833,8 +859,7 @@ std::vector<torch::Tensor> decoder_stack(const std::vector<LayerWeights>& layers
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<QWeight>(m, "QWeight")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, int64_t>());
+  pybind11::class_<QWeight>(m, "QWeight").def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, int64_t>());
   pybind11::class_<LayerWeights>(m, "LayerWeights")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, QWeight, QWeight, QWeight, QWeight, int64_t, int64_t,
                           int64_t, double>());
