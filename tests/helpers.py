@@ -227,3 +227,10 @@ def save_copy_eagle_head(folder: Path, target_cfg, seed: int = 0) -> Path:
     save_file(state, str(folder / "model.safetensors"))
     json.loads((folder / "config.json").read_text())
     return folder
+
+
+def eagle_flags(head: Path) -> list[str]:
+    """`eaglegate serve` flags for an EAGLE head on a small tree that drafts every step (no cost table)."""
+    return ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head),
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
+            "--speculative-cost-table", "off"]  # fmt: skip

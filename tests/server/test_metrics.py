@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import save_copy_eagle_head
+from helpers import eagle_flags, save_copy_eagle_head
 
 from worker.dist import free_port
 from worker.model.config import load_model_config
@@ -64,24 +64,7 @@ def spec_server(tiny_llama, tmp_path_factory):
     head = save_copy_eagle_head(
         tmp_path_factory.mktemp("metrics-head"), load_model_config(resolve_model(str(tiny_llama)))
     )
-    server = _server(
-        tiny_llama,
-        [
-            "--speculative-algorithm",
-            "EAGLE",
-            "--speculative-draft-model-path",
-            str(head),
-            "--speculative-num-steps",
-            "3",
-            "--speculative-eagle-topk",
-            "2",
-            "--speculative-num-draft-tokens",
-            "6",
-            # every step drafts, so each rate() window holds accept lengths
-            "--speculative-cost-table",
-            "off",
-        ],
-    )
+    server = _server(tiny_llama, eagle_flags(head))  # every step drafts: each rate() window holds accept lengths
     yield server
     server.stop()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import alive, descendants, save_copy_eagle_head
+from helpers import alive, descendants, eagle_flags, save_copy_eagle_head
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
@@ -42,18 +42,7 @@ def _args(tiny_llama, head, *extra) -> list[str]:
         "8192",
         "--max-model-len",
         "512",
-        "--speculative-algorithm",
-        "EAGLE",
-        "--speculative-draft-model-path",
-        str(head),
-        "--speculative-num-steps",
-        "3",
-        "--speculative-eagle-topk",
-        "2",
-        "--speculative-num-draft-tokens",
-        "6",
-        "--speculative-cost-table",
-        "off",
+        *eagle_flags(head),
         *extra,
     ]
 

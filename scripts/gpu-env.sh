@@ -1,0 +1,19 @@
+# Sourced by the gpu-*.sh scripts: the interpreter and the offline bundle they share.
+# PYTHON picks the interpreter (default: .venv/bin/python where there is one, else python3); a bundle made by
+# scripts/gpu-bundle.sh is used from build/gpu-bundle when present, or from --bundle DIR.
+
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
+fi
+export PYTHON
+bundle=""
+[ -d build/gpu-bundle/whl ] && bundle=build/gpu-bundle
+
+# use_bundle: put the bundle's wheels, tokenizer and model in place (exports MODEL_READY and the bundle's paths)
+use_bundle() {
+  [ -n "$bundle" ] || return 0
+  local bundle_env
+  bundle_env=$(scripts/gpu-bundle.sh env "$bundle") || exit 2
+  eval "$bundle_env"
+}
