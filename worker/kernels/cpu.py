@@ -33,8 +33,14 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
+# Extra compiler flags, e.g. "-mno-avx512bf16 -mno-amx-tile" to build the paths of a CPU without those features on
+# one that has them (a build directory of its own); with ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI torch follows suit.
+EXTRA_FLAGS = os.environ.get("EAGLEGATE_CPU_FLAGS", "").split()
+
+
 def build_dir() -> Path:
-    return CACHE / f"cpu_kernels-{_cpu_key()}"
+    flags = hashlib.sha256(" ".join(EXTRA_FLAGS).encode()).hexdigest()[:8] if EXTRA_FLAGS else ""
+    return CACHE / f"cpu_kernels-{_cpu_key()}{'-' + flags if flags else ''}"
 
 
 def build():
@@ -58,7 +64,7 @@ def build():
             name="eaglegate_cpu_kernels",
             sources=[str(SOURCE)],
             build_directory=str(out),
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", *EXTRA_FLAGS, "-fno-math-errno", "-fno-trapping-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
