@@ -67,11 +67,45 @@ class GuardMiddleware:
         if rejection is None and self.state.draining and path.startswith("/v1/") and scope["method"] == "POST":
             rejection = error_response(503, "server is shutting down", "service_unavailable_error")
         length = headers.get(b"content-length")
-        if rejection is None and length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            rejection = error_response(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        too_large = error_response(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        if rejection is None and length is not None and not length.isdigit():
+            rejection = error_response(400, "malformed Content-Length header", "invalid_request_error")
+        if rejection is None and length is not None and int(length) > MAX_BODY_BYTES:
+            rejection = too_large
+        if rejection is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            # the bytes that arrive count, declared or not (a chunked body has no Content-Length)
+            received, over = await _read_body(receive, MAX_BODY_BYTES)
+            if over:
+                rejection = too_large
+            receive = _replay(received, receive)
         if rejection is not None:
             return await rejection(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+async def _read_body(receive, limit: int) -> tuple[list[dict], bool]:
+    """A request's body messages up to `limit` bytes, and whether it went past the limit (reading stops there)."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":  # the client left
+            return messages, False
+        size += len(message.get("body", b""))
+        if size > limit:
+            return messages, True
+        if not message.get("more_body", False):
+            return messages, False
+
+
+def _replay(messages: list[dict], receive):
+    """A receive() that gives the buffered messages first, then the client's own (a later disconnect included)."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI:

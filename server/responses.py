@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 
 from .errors import APIError
 from .schemas import ChatCompletionRequest, _Lenient, _Strict, now
@@ -38,9 +38,53 @@ class TextConfig(_Lenient):
     format: TextFormat | None = None
 
 
+class InputText(_Lenient):
+    type: Literal["input_text", "output_text", "text"] = "input_text"
+    text: str
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] = "user"
+    content: str | list[InputText]
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str = ""
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | dict | list
+
+
+def _item_kind(item) -> str:
+    """An item without a `type` is a message (OpenAI's easy input); an unknown type matches no tag (a 400)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_kind,
+        custom_error_type="invalid_item",
+        custom_error_message="an item's type is message, function_call or function_call_output",
+    ),
+]
+_ITEMS = TypeAdapter(list[InputItem])
+_TAGS = {"message", "function_call", "function_call_output"}
+_TYPES = {"str", "dict", "list"}  # union members in a validation error's location
+
+
 class ResponsesRequest(_Strict):
     model: str
-    input: str | list[dict]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -63,6 +107,22 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     stream_options: dict | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, v):
+        """Items are checked one by one, so a bad one is named (`input[2].content[0].text: ...`), never a 500."""
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("input is a string or a list of items")
+        try:
+            return _ITEMS.validate_python(v)
+        except ValidationError as e:
+            err = max(e.errors(), key=lambda x: len(x["loc"]))  # the deepest: the field that is wrong
+            loc = [x for x in err["loc"] if not (isinstance(x, str) and (x in _TAGS or x in _TYPES or "[" in x))]
+            where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc)
+            raise ValueError(f"input{where}: {err['msg']}") from None
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -106,39 +166,22 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, f"input: {e}", param="input") from e
 
 
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content or () if isinstance(p, dict))
-
-
-def _messages(items: list[dict]) -> list[dict]:
+def _messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem]) -> list[dict]:
     out: list[dict] = []
     for item in items:
-        kind = item.get("type", "message")
-        if kind == "message":
-            out.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id", ""),
-                "type": "function",
-                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "{}")},
-            }
+        if isinstance(item, MessageItem):
+            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            out.append({"role": item.role, "content": text})
+        elif isinstance(item, FunctionCallItem):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output", "")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item.get("call_id"),
-                    "content": output if isinstance(output, str) else json.dumps(output),
-                }
-            )
         else:
-            raise APIError(400, f"input items of type {kind!r} are not supported", param="input")
+            output = item.output if isinstance(item.output, str) else json.dumps(item.output)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
     return out
 
 

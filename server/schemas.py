@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 8
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # a stop string is held back, so each token's check costs its length
 
 
 class _Lenient(BaseModel):
@@ -121,8 +123,10 @@ class _SamplingFields(_Strict):
         if v is None:
             return []
         items = [v] if isinstance(v, str) else v
-        if len(items) > 16 or any(not s for s in items):
-            raise ValueError("stop must be at most 16 non-empty strings")
+        if len(items) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
         return items
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -113,6 +114,11 @@ def test_api_key_required_on_v1_only(api_server):
 
 BAD_BODIES = [
     ("malformed json", b'{"model": "x", "messages": [', None),
+    (
+        "100 KB stop string",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": "x" * 100_000},
+        "stop",
+    ),
     ("wrong type", {"model": MODEL, "messages": "hello"}, "messages"),
     ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("empty messages", {"model": MODEL, "messages": []}, "messages"),
@@ -150,6 +156,27 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(api_server, client
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
+    assert _chat(client, "hi", max_tokens=2, temperature=0).choices[0].finish_reason in ("stop", "length")
+
+
+def test_body_limits_count_the_bytes_that_arrive(api_server, client):
+    """A chunked body has no Content-Length: its bytes are counted as they arrive, and past the limit it is a 413."""
+    url = api_server.base_url + "/v1/chat/completions"
+    headers = api_server.headers() | {"content-type": "application/json"}
+
+    def chunks(total: int):
+        yield b'{"model": "x", "messages": [{"role": "user", "content": "'
+        for _ in range(total // 65536):
+            yield b"a" * 65536
+        yield b'"}]}'
+
+    r = httpx.post(url, content=chunks(10 * 1024 * 1024), headers=headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    small = httpx.post(url, content=chunks(65536), headers=headers, timeout=60)
+    assert small.status_code == 400 and small.json()["error"]["param"] == "model"  # read whole, then validated
+    with socket.create_connection(("127.0.0.1", api_server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 12abc\r\n\r\n{}")
+        assert s.recv(200).split(b" ")[1] == b"400"
     assert _chat(client, "hi", max_tokens=2, temperature=0).choices[0].finish_reason in ("stop", "length")
 
 

@@ -181,7 +181,21 @@ OK_FIELDS = {
     "safety_identifier": "s",
     "prompt_cache_key": "p",
 }
+
+
+def _nested_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD_GRAMMARS = [
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested_schema(400)}}},
+        "response_format.json_schema.schema",
+    ),
+    ({"regex": "[a-z]{1,5000}"}, "regex"),
     (
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
         "response_format.json_schema.schema",
@@ -204,6 +218,22 @@ def test_bad_grammars_and_fields_get_a_400_naming_them(api_server, client, extra
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0, extra_body=OK_FIELDS
     )
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+BAD_ITEMS = [
+    [{"role": "user", "content": [{"type": "input_text", "text": 5}]}],
+    [{"type": "image_generation_call", "id": "x"}],
+    [{"type": "function_call", "call_id": "c1"}],
+    ["not an item"],
+    7,
+]
+
+
+@pytest.mark.parametrize("items", BAD_ITEMS, ids=range(len(BAD_ITEMS)))
+def test_malformed_response_items_get_a_400_naming_input(api_server, items):
+    body = {"model": MODEL, "input": items, "max_output_tokens": 4}
+    r = httpx.post(api_server.base_url + "/v1/responses", json=body, headers=api_server.headers(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 def test_dead_end_grammar_finishes_with_its_reason_and_serving_goes_on(client, smol_engine):
