@@ -46,6 +46,8 @@ LOCAL_SETTINGS = {
     "dist_timeout",
     "mem_fraction",
     "max_total_tokens",
+    "max_queued_requests",  # admission is the front end's, on node 0 alone
+    "max_queued_tokens",
     "device",
     "dtype",
     "quantization",

@@ -44,6 +44,10 @@ class RequestFailedError(RuntimeError):
     pass
 
 
+class EngineBusyError(RuntimeError):
+    """Admission control: the requests in flight past the running batch are at their limit (a 429 to clients)."""
+
+
 @dataclass
 class GenerationResult:
     request_id: str
@@ -59,6 +63,7 @@ class _Sink:
     """Where one request's outputs go: a thread-safe queue, or an asyncio queue fed from our thread."""
 
     put: Callable[[object], None]
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -116,6 +121,7 @@ class Engine:
         self.on_step, self.on_fatal = on_step, on_fatal
         self.observer_errors = 0  # observer (on_step/on_fatal) calls that raised
         self._sinks: dict[str, _Sink] = {}
+        self._prompt_tokens = 0  # of the requests in _sinks
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._dead_event = threading.Event()
@@ -237,6 +243,7 @@ class Engine:
             self._dead_event.set()
             sinks = list(self._sinks.items())
             self._sinks.clear()
+            self._prompt_tokens = 0
         for _, sink in sinks:
             sink.put(EngineDeadError(reason))
         if not self._closing:
@@ -291,7 +298,7 @@ class Engine:
                 with self._lock:
                     sink = self._sinks.get(out.request_id)
                     if sink is not None and out.finish_reason is not None:
-                        del self._sinks[out.request_id]
+                        self._drop(out.request_id)
                 if sink is not None:
                     sink.put(out)
             self._observe(self.on_step, msg)
@@ -322,13 +329,36 @@ class Engine:
                 raise EngineDeadError(self._dead)
             if self._closing:
                 raise EngineDeadError("engine is shutting down")
+            self._admit(requests)
             if not self._sinks:
                 self.stats.last_progress = time.monotonic()  # idle until now: the stall clock starts here
-            for (rid, _, _), sink in zip(requests, sinks):
+            for (rid, ids, _), sink in zip(requests, sinks):
                 if rid in self._sinks:
                     raise InvalidParameterError("request_id", f"request id {rid!r} is already in flight")
+                sink.prompt_tokens = len(ids)
                 self._sinks[rid] = sink
+                self._prompt_tokens += len(ids)
             self._to_leader.send_pyobj(AddRequests([AddRequest(rid, list(ids), p) for rid, ids, p in requests]))
+
+    @property
+    def queue_limits(self) -> tuple[int, int]:
+        """(requests, prompt tokens) the engine holds in flight at most: the running batch and the KV pool, plus
+        `max_queued_requests` and `max_queued_tokens` queued past them (defaults: 8 batches, 4 pools)."""
+        cfg, pool = self.config, self.ready.kv_total_tokens
+        queued = cfg.max_queued_requests if cfg.max_queued_requests is not None else 8 * cfg.max_running_requests
+        tokens = cfg.max_queued_tokens if cfg.max_queued_tokens is not None else 4 * pool
+        return cfg.max_running_requests + queued, pool + tokens
+
+    def _admit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Refuse a batch (all its n choices count) that would pass the queue limits; the caller holds the lock."""
+        max_requests, max_tokens = self.queue_limits
+        if len(self._sinks) + len(requests) > max_requests:
+            raise EngineBusyError(f"{len(self._sinks)} requests in flight, the limit is {max_requests}: retry later")
+        tokens = sum(len(ids) for _, ids, _ in requests)
+        if self._sinks and self._prompt_tokens + tokens > max_tokens:
+            raise EngineBusyError(
+                f"{self._prompt_tokens} prompt tokens in flight, the limit is {max_tokens}: retry later"
+            )
 
     def abort(self, request_id: str) -> None:
         """Ask rank 0 to drop a request; it frees the KV slots on every rank by its next step."""
@@ -401,7 +431,13 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
-            self._sinks.pop(request_id, None)
+            self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request's sink (the caller holds the lock)."""
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            self._prompt_tokens -= sink.prompt_tokens
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -421,6 +457,7 @@ class Engine:
         with self._lock:
             sinks = list(self._sinks.values())
             self._sinks.clear()
+            self._prompt_tokens = 0
         for sink in sinks:
             sink.put(EngineDeadError("engine shut down"))
         self._receiver.join(timeout=2)

@@ -37,6 +37,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="share of free memory for the KV pool when --max-total-tokens is not given",
     )
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests in flight past the running batch before new ones get a 429 (8 x --max-running-requests)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens in flight past the KV pool before new requests get a 429 (4 x the pool)",
+    )
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument(
         "--attention-backend",
@@ -143,6 +155,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_total_tokens=args.max_total_tokens,
         mem_fraction=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         disable_radix_cache=args.disable_radix_cache,
         attention_backend=args.attention_backend,

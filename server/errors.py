@@ -16,17 +16,21 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code=None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -44,7 +48,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from runtime.engine import AsyncRequest, Engine, EngineDeadError
+from runtime.engine import AsyncRequest, Engine, EngineBusyError, EngineDeadError
 from worker.protocol import ERROR_CONTEXT_LENGTH, ERROR_INVALID_GRAMMAR, RequestOutput
 from worker.sampling.grammar import check_grammar
 from worker.sampling.params import (
@@ -174,6 +174,9 @@ def sampling_params(
         raise APIError(400, str(e), param=e.param) from e
 
 
+RETRY_AFTER = {"Retry-After": "1"}  # seconds: a queue drains at decode speed
+
+
 class ChoiceSet:
     """The n choices of one request (times its prompts), submitted to rank 0 as one batch."""
 
@@ -192,6 +195,8 @@ class ChoiceSet:
             handles = engine.add_async(reqs)
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}", "service_unavailable_error") from e
+        except EngineBusyError as e:
+            raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded", headers=RETRY_AFTER) from e
         except InvalidParameterError as e:
             raise APIError(400, str(e), param=e.param) from e
         now = time.monotonic()

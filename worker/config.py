@@ -59,6 +59,9 @@ class EngineConfig:
     mem_fraction: float = 0.3  # of free memory given to the KV pool when max_total_tokens is None
     block_size: int = 16
     max_running_requests: int = 64
+    # admission (runtime/engine.py): requests and prompt tokens in flight past the batch and the pool; None: 8x, 4x
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
     chunked_prefill_size: int = 512
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch (the reference) | triton (paged)

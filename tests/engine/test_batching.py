@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from runtime.engine import Engine
+from runtime.engine import Engine, EngineBusyError, _Sink
 from worker.config import EngineConfig
 from worker.sampling.params import InvalidParameterError, SamplingParams
 
@@ -146,3 +146,15 @@ def test_stats_snapshots_are_rate_limited_and_fresh_when_a_request_ends(smol_dir
     snaps = [r.stats for r in reports if r.stats is not None and r is not finished[0]]
     assert len(snaps) < sum(1 for r in reports if r.outputs) - 1  # steps inside the interval carry none
     assert all(b.time - a.time >= 0.9 * SNAPSHOT_INTERVAL_S for a, b in zip(snaps, snaps[1:]))
+
+
+def test_a_batch_past_the_queue_limit_is_refused_whole(smol_engine):
+    """Admission counts every request of a batch (an `n`-choice request is n): one past the limit refuses them all,
+    and none reaches rank 0."""
+    max_requests, max_tokens = smol_engine.queue_limits
+    assert max_requests == 64 + 8 * 64 and max_tokens == 5 * smol_engine.ready.kv_total_tokens  # the defaults
+    reqs = [(f"busy-{i}", [1, 2, 3], SamplingParams(max_new_tokens=1)) for i in range(max_requests + 1)]
+    with pytest.raises(EngineBusyError, match=f"the limit is {max_requests}"):
+        smol_engine.submit(reqs, [_Sink(lambda _: None) for _ in reqs])
+    assert smol_engine.num_in_flight == 0
+    assert smol_engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, temperature=0))[0].token_ids
