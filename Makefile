@@ -87,7 +87,8 @@ bench-step: model kernels
 gpu-check:
 	bash scripts/gpu-check.sh $(or $(OUT),build/gpu-check) $(MARG) $(ARGS)
 
-# For a GPU host without internet: wheels, tokenizer and (ARGS="--with-model") the model, in build/gpu-bundle.
+# For a GPU host without internet: wheels, tokenizer and (ARGS="--with-model") the model, in build/gpu-bundle;
+# there, `make gpu-check ARGS="--bundle build/gpu-bundle"`.
 gpu-bundle: model
 	bash scripts/gpu-bundle.sh create build/gpu-bundle $(ARGS)
 

@@ -3,7 +3,7 @@ date.
 
 A result is named `<benchmark>[-<machine class>].<json|png>` in bench/results/: the benchmark is the stem of its
 script in bench/, the machine class one of `MACHINES`; no class names the reference machine (an Intel Xeon with
-AMX), or for gpu.json the device the file records.
+AMX); GPU results always name their GPU class.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.kernels.quant import resolve_quantization
 from worker.leader import Leader, follower_step
-from worker.model.files import resolve_model
+from worker.model.files import forget_gguf, resolve_model
 from worker.model.loader import resolve_dtype
 from worker.protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, ShutdownPlan, SpecPlan, StepPlan
 from worker.runner import ModelRunner
@@ -80,6 +80,7 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
         source = resolve_model(config.model_path)
         _agree(config, source, tp)
         runner = ModelRunner(config, source, tp, show_progress=rank == 0)
+        forget_gguf()
         if rank == 0:
             _lead(config, runner, tp, ctx, in_addr, outbox)
         else:

@@ -1,7 +1,7 @@
 """The README's benchmark tables, generated from the committed results in bench/results/ (never typed by hand).
 
     .venv/bin/python scripts/bench_tables.py          rewrite the tables in README.md
-    .venv/bin/python scripts/bench_tables.py --check  exit 1 when README.md is stale (tests/test_readme.py)
+    .venv/bin/python scripts/bench_tables.py --check  exit 1 when README.md is stale (tests/unit/test_readme.py)
 
 Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, NAME being a results file's stem
 (`spec`, `spec-epyc`, ...): `<benchmark>[-<machine class>]`, drawn by the benchmark's table below.
@@ -20,7 +20,8 @@ RESULTS = ROOT / "bench" / "results"
 
 def _source(d: dict) -> str:
     """The command and the machine (the result file also keeps the commit it ran at)."""
-    machine = f" on {d['machine']}" if d.get("machine") else ""
+    parts = [p for p in d.get("machine", "").split(", ") if p and not p.startswith("Linux")]  # not the host's kernel
+    machine = f" on {', '.join(parts)}" if parts else ""
     return f"_`{d.get('command', '?')}`{machine}._"
 
 

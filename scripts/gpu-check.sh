@@ -12,8 +12,8 @@
 # Everything goes into OUTDIR: env.txt (GPU, torch, triton, transformers), cuda-tests.xml (JUnit) and tests.log,
 # gpu.json (gpu-CLASS.json with --machine; copy it to bench/results/) and bench.log. Exits non-zero when a step fails.
 #
-# A host without internet needs a bundle made elsewhere (scripts/gpu-bundle.sh create; build/gpu-bundle is used
-# when present): its wheels, tokenizer and, if bundled, model are put in place first. PYTHON picks the interpreter
+# A host without internet needs a bundle made elsewhere (scripts/gpu-bundle.sh create), named with --bundle DIR:
+# its wheels, tokenizer and, if bundled, model are put in place first. PYTHON picks the interpreter
 # (default: .venv/bin/python where there is one, else python3); TESTS_TIMEOUT and BENCH_TIMEOUT bound each step
 # (seconds, default 1200 each).
 set -uo pipefail

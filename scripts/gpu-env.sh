@@ -1,6 +1,6 @@
 # Sourced by the gpu-*.sh scripts: the interpreter and the offline bundle they share.
 # PYTHON picks the interpreter (default: .venv/bin/python where there is one, else python3); a bundle made by
-# scripts/gpu-bundle.sh is used from build/gpu-bundle when present, or from --bundle DIR.
+# scripts/gpu-bundle.sh is used only when --bundle DIR names it (a host with internet needs none).
 
 if [ -z "${PYTHON:-}" ]; then
   PYTHON=python3
@@ -8,7 +8,6 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHON
 bundle=""
-[ -d build/gpu-bundle/whl ] && bundle=build/gpu-bundle
 
 # use_bundle: put the bundle's wheels, tokenizer and model in place (exports MODEL_READY and the bundle's paths)
 use_bundle() {

@@ -54,6 +54,7 @@ timeout $((distill_s + 90)) "$PYTHON" -m training.distill_runner --prompts "$tra
   --out "$outdir/answers-gpu.jsonl.gz" --examples-out "$work/gpu-examples.pt" --device "$device" \
   --batch "${BATCH:-1024}" --max-new-tokens 256 --max-prompt-tokens 1024 --max-len 512 --prefill-tokens 32768 \
   --seconds "$distill_s" 2>&1 | tee "$outdir/distill.log"
+distill_status=${PIPESTATUS[0]}  # 124: stopped by its time box, which the runner's own --seconds should beat
 examples=("$train/examples.pt")
 [ -f "$work/gpu-examples.pt" ] && examples+=("$work/gpu-examples.pt")
 echo "distilled in ${SECONDS} s; training on ${examples[*]}"
@@ -72,4 +73,5 @@ if [ -f "$work/head/model.safetensors" ]; then
     "$outdir/head/"
 fi
 echo "trained by ${SECONDS} s; head in $outdir/head"
-exit "$status"
+[ "$status" = 0 ] || exit "$status"
+exit "$distill_status"

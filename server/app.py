@@ -75,9 +75,12 @@ class GuardMiddleware:
         if rejection is None and scope["method"] in ("POST", "PUT", "PATCH"):
             # the bytes that arrive count, declared or not (a chunked body has no Content-Length)
             received, over = await _read_body(receive, MAX_BODY_BYTES)
+            if received[-1]["type"] == "http.disconnect":
+                return  # the client left before its body arrived: nothing to answer
             if over:
                 rejection = too_large
             receive = _replay(received, receive)
+            del received  # the replay holds the chunks only until the app has read them
         if rejection is not None:
             return await rejection(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -100,7 +103,7 @@ async def _read_body(receive, limit: int) -> tuple[list[dict], bool]:
 
 def _replay(messages: list[dict], receive):
     """A receive() that gives the buffered messages first, then the client's own (a later disconnect included)."""
-    pending = list(messages)
+    pending = messages
 
     async def replayed():
         return pending.pop(0) if pending else await receive()
@@ -135,9 +138,12 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
 
     @app.get("/health")
     async def health():
-        problem = supervisor.status()
-        if problem is not None:
-            return error_response(503, problem, "service_unavailable_error")
+        """Liveness, open to anyone: why it is red in a word, the details on /engine/stats (behind the key)."""
+        if app.state.draining:
+            return error_response(503, "draining: the server is shutting down", "service_unavailable_error")
+        if supervisor.status() is not None:
+            state = "restarting the worker group" if supervisor.restarting else "down"
+            return error_response(503, f"engine {state}: see /engine/stats", "service_unavailable_error")
         engine = supervisor.engine
         stalled = engine.stalled_for()
         if stalled > settings.stall_timeout:

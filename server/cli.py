@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from worker.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, EngineConfig
 
@@ -178,14 +180,40 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, else --api-key or EAGLEGATE_API_KEY; refuses to go without one on a host other
+    clients can reach, unless --allow-unauthenticated says so."""
+    key = args.api_key
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+        if not key:
+            raise SystemExit(f"eaglegate: {args.api_key_file} holds no API key")
+    loopback = args.host == "localhost" or _is_loopback(args.host)
+    if not key and not loopback and not args.allow_unauthenticated:
+        raise SystemExit(
+            f"eaglegate: refusing to serve {args.host} without an API key: give --api-key-file, --api-key or "
+            "EAGLEGATE_API_KEY, or --allow-unauthenticated to serve it open"
+        )
+    return key or None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
+    key = api_key(args) if args.node_rank == 0 else None  # only node 0 serves HTTP
     return serve(
         engine_config(args),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=key,
+        shutdown_timeout=args.shutdown_timeout,
         stall_timeout=args.stall_timeout,
         log_level=args.log_level,
         restart_workers=not args.no_restart_workers,
@@ -232,7 +260,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=os.environ.get("EAGLEGATE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (or set EAGLEGATE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 (or set EAGLEGATE_API_KEY, or --api-key-file)",
+    )
+    serve.add_argument(
+        "--api-key-file", default=None, help="read the API key from this file (keeps it out of the process table)"
+    )
+    serve.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (refused otherwise)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish before they are ended",
     )
     serve.add_argument(
         "--stall-timeout",

@@ -15,7 +15,6 @@ from .metrics import Metrics
 from .supervisor import EngineSupervisor
 
 log = logging.getLogger("eaglegate.serve")
-GRACEFUL_SECONDS = 15
 
 
 class _DrainingServer(uvicorn.Server):
@@ -37,6 +36,7 @@ def serve(
     port: int,
     api_key: str | None,
     stall_timeout: float,
+    shutdown_timeout: float = 30.0,
     log_level: str = "info",
     restart_workers: bool = True,
 ) -> int:
@@ -70,7 +70,7 @@ def serve(
     )
     print(f"eaglegate: listening on http://{host}:{port} (OpenAI API at /v1)", flush=True)
     server = _DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SECONDS), app
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout), app
     )
     try:
         server.run()

@@ -102,8 +102,10 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="eaglegate-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        if api_key:  # from a file, as an operator would: the key stays out of the process table
+            key_file = Path(tempfile.mkdtemp(prefix="eaglegate-key-")) / "key"
+            key_file.write_text(api_key + "\n")
+            cmd += ["--api-key-file", str(key_file)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.wait_healthy()
 

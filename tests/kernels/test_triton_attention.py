@@ -7,12 +7,11 @@ import random
 
 import pytest
 import torch
+import triton  # noqa: F401 - a pinned dependency: its absence is an error here, never a skip
 
-pytest.importorskip("triton")
-
-from worker.kernels.triton_attention import paged_rows, triton_attend  # noqa: E402
-from worker.model.attention import attend, build_attention_metadata  # noqa: E402
-from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of  # noqa: E402
+from worker.kernels.triton_attention import paged_rows, triton_attend
+from worker.model.attention import attend, build_attention_metadata
+from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of
 
 BS = 4
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -110,6 +111,7 @@ def test_api_key_required_on_v1_only(api_server):
     assert httpx.get(api_server.base_url + "/health").status_code == 200
     assert httpx.get(api_server.base_url + "/metrics").status_code == 200
     assert API_KEY not in api_server.output()
+    assert API_KEY.encode() not in Path(f"/proc/{api_server.proc.pid}/cmdline").read_bytes()  # read from a file
 
 
 BAD_BODIES = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,14 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 240) -> None
             pass
         time.sleep(0.25)  # waiting for start-up, bounded by the deadline
     raise AssertionError("server did not become healthy")
+
+
+def test_serving_every_interface_without_a_key_is_refused():
+    env = {k: v for k, v in os.environ.items() if k != "EAGLEGATE_API_KEY"}
+    cmd = [sys.executable, "-m", "server", "serve", "--host", "0.0.0.0", "--port", str(free_port())]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "refusing to serve 0.0.0.0 without an API key" in r.stderr, r.stderr
+    assert "--allow-unauthenticated" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_make_serve_answers_chat_and_sigterm_exits_cleanly(smol_dir, tmp_path):

@@ -1,5 +1,5 @@
 """Graph-capture bookkeeping without a GPU: bucket choice, static buffers, padding rows, and when a step falls back
-to eager. The capture itself is run by the `cuda` tests (tests/test_cuda.py) on the device check."""
+to eager. The capture itself is run by the `cuda` tests (tests/kernels/test_cuda.py) on the device check."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+KEYED = os.environ | {"EAGLEGATE_API_KEY": "sk-compose-test"}  # the compose files refuse to start without a key
 
 
 def _compose_binary() -> str:
@@ -28,6 +29,7 @@ def test_compose_validates(profile):
         cwd=DEPLOY,
         capture_output=True,
         text=True,
+        env=KEYED,
     )
     assert r.returncode == 0, r.stderr
     full = subprocess.run(
@@ -36,6 +38,7 @@ def test_compose_validates(profile):
         capture_output=True,
         text=True,
         check=True,
+        env=KEYED,
     )
     services = json.loads(full.stdout)["services"]
     gateway = services[f"eaglegate-{profile}"]
@@ -48,6 +51,16 @@ def test_compose_validates(profile):
         assert "HIP_VISIBLE_DEVICES" in gateway["environment"] and gateway["shm_size"]
 
 
+@pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.multinode.yml"])
+def test_compose_refuses_to_start_without_an_api_key(file):
+    env = {k: v for k, v in os.environ.items() if k != "EAGLEGATE_API_KEY"} | {"NODE_RANK": "0", "MASTER_ADDR": "h"}
+    r = subprocess.run(
+        [_compose_binary(), "-f", file, "--profile", "cpu", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True,
+        env=env,
+    )  # fmt: skip
+    assert r.returncode != 0 and "set EAGLEGATE_API_KEY" in r.stderr, r.stderr
+
+
 def test_broken_compose_is_rejected(tmp_path):
     bad = tmp_path / "docker-compose.yml"
     bad.write_text("services:\n  x:\n    image: a\n    ports: 12\n")
@@ -56,7 +69,7 @@ def test_broken_compose_is_rejected(tmp_path):
 
 
 def test_multinode_compose_validates():
-    env = os.environ | {"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}
+    env = KEYED | {"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}
     r = subprocess.run(
         [_compose_binary(), "-f", "docker-compose.multinode.yml", "config", "--format", "json"],
         cwd=DEPLOY,

@@ -31,9 +31,23 @@ def test_nesting_is_counted_without_parsing_and_ignores_strings():
         (GrammarSpec("json_schema", nested_schema(400)), f"limit of {MAX_SCHEMA_NESTING} levels"),
         (GrammarSpec("regex", "[a-z]{1,5000}"), f"limit of {MAX_REPEAT}"),
         (GrammarSpec("ebnf", 'root ::= "a"{300}'), f"limit of {MAX_REPEAT}"),
+        (GrammarSpec("regex", "((a{20}){20}){20}"), f"limit of {MAX_REPEAT}"),  # 8,000 expansions, 20 at a time
+        (GrammarSpec("regex", "a{,9999}"), f"limit of {MAX_REPEAT}"),
+        (GrammarSpec("regex", r"\\{9999}"), f"limit of {MAX_REPEAT}"),  # an escaped backslash, then a real repeat
+        (GrammarSpec("json_schema", '{"type": "string", "pattern": "[a-z]{1,5000}"}'), f"limit of {MAX_REPEAT}"),
         (GrammarSpec("regex", "a" * (MAX_GRAMMAR_CHARS + 1)), f"limit of {MAX_GRAMMAR_CHARS} characters"),
     ],
-    ids=["schema-250", "schema-400", "regex-repeat", "ebnf-repeat", "size"],
+    ids=[
+        "schema-250",
+        "schema-400",
+        "regex-repeat",
+        "ebnf-repeat",
+        "nested",
+        "open-lower",
+        "escape",
+        "pattern",
+        "size",
+    ],
 )
 def test_a_grammar_over_a_limit_is_refused_by_name_before_any_parser_sees_it(spec, limit, monkeypatch):
     def parse(_):
@@ -49,3 +63,5 @@ def test_grammars_within_the_limits_still_compile():
     check_grammar(GrammarSpec("json_schema", nested_schema(20)))
     check_grammar(GrammarSpec("regex", "[a-z]{1,200}"))
     check_grammar(GrammarSpec("regex", r"a\{1,999\}"))  # an escaped brace is a literal, not a repeat
+    check_grammar(GrammarSpec("ebnf", 'root ::= "{300}"'))  # so is a brace inside an EBNF string
+    check_grammar(GrammarSpec("json_schema", '{"type": "string", "maxLength": 100000}'))  # a counter, not a repeat

@@ -99,11 +99,16 @@ def read_gguf(path: Path):
     """The file's `gguf.GGUFReader`, parsed once per process: the model config, the weights and the start-up
     agreement all read it, and parsing a tokenizer's metadata takes seconds."""
     stat = Path(path).stat()
-    return _gguf_reader(str(path), stat.st_size, stat.st_mtime_ns)
+    return _gguf_reader(str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_reader(path: str, size: int, mtime_ns: int):
+def forget_gguf() -> None:
+    """Drop the parsed readers (and their mappings of the files) once a rank has loaded its weights."""
+    _gguf_reader.cache_clear()
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, dev: int, inode: int, size: int, mtime_ns: int):
     import gguf
     import numpy as np
 

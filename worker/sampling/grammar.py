@@ -16,11 +16,12 @@ import torch
 from worker.sampling.params import KINDS, GrammarSpec, InvalidGrammarError
 
 # Limits checked before anything compiles: compile time grows with a schema's nesting and a regex's bounded repeats
-# (a schema nested 300 levels takes xgrammar 10 s, `[a-z]{1,200}` 0.45 s), and rank 0 compiles for every rank.
+# (a schema nested 300 levels takes xgrammar 10 s, `[a-z]{1,200}` 0.45 s, `a{1,5000}` 1.6 s), and rank 0 compiles
+# for every rank.
 MAX_GRAMMAR_CHARS = 65536
 MAX_SCHEMA_NESTING = 128  # objects and arrays inside each other in the schema JSON (two a level of properties)
-MAX_REPEAT = 256  # the largest count in a regex's or an EBNF rule's {m,n}
-_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+MAX_REPEAT = 256  # the largest expansion of {m,n} repeats, counts multiplied where one repeat holds another
+_COUNTS = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def json_nesting(text: str) -> int:
@@ -45,18 +46,72 @@ def json_nesting(text: str) -> int:
     return deepest
 
 
+def repeat_expansion(source: str, quoted: bool = False) -> int:
+    """How many times the most repeated atom of a regex or an EBNF grammar can expand: each {m,n} multiplies what it
+    repeats, so `(a{4}){3}` is 12. Escapes and character classes hold no repeats; with `quoted`, neither do "..."
+    and '...' strings (EBNF literals)."""
+    stack = [1]  # per open group: the largest expansion inside it so far
+    last = 1  # the expansion of the atom just read, which a following {m,n} multiplies
+    i = 0
+    while i < len(source):
+        ch = source[i]
+        if ch == "\\":
+            i, last = i + 2, 1
+            continue
+        if ch == "[" or (quoted and ch in "\"'"):
+            close = "]" if ch == "[" else ch
+            i += 1
+            while i < len(source) and source[i] != close:
+                i += 2 if source[i] == "\\" else 1
+            last = 1
+        elif ch == "(":
+            stack.append(1)
+        elif ch == ")" and len(stack) > 1:
+            last = stack.pop()
+        elif ch == "{" and (m := _COUNTS.match(source, i)) and any(m.groups()):
+            last *= max(int(n) for n in m.groups() if n)
+            stack[-1] = max(stack[-1], last)
+            i = m.end()
+            continue
+        else:
+            last = 1
+        i += 1
+    return max(stack)
+
+
+def _schema_patterns(text: str) -> list[str]:
+    """Every "pattern" string of a JSON schema (parsed only after its nesting passed the limit)."""
+    found, todo = [], [json.loads(text)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return found
+
+
 def check_limits(spec: GrammarSpec) -> None:
     """A grammar over the size, nesting or repeat limits is refused by name, before any parser sees it."""
     if len(spec.source) > MAX_GRAMMAR_CHARS:
         raise InvalidGrammarError(spec.param, f"{spec.kind} is longer than the limit of {MAX_GRAMMAR_CHARS} characters")
     if spec.kind == "json_schema" and json_nesting(spec.source) > MAX_SCHEMA_NESTING:
         raise InvalidGrammarError(spec.param, f"JSON schema nests deeper than the limit of {MAX_SCHEMA_NESTING} levels")
-    if spec.kind in ("regex", "ebnf"):
-        counts = [int(n) for m in _REPEAT.finditer(spec.source) for n in m.groups() if n]
-        if counts and max(counts) > MAX_REPEAT:
-            raise InvalidGrammarError(
-                spec.param, f"{spec.kind} repeats {max(counts)} times, over the limit of {MAX_REPEAT} for {{m,n}}"
-            )
+    if spec.kind == "json_schema":
+        try:
+            expansions = [repeat_expansion(p) for p in _schema_patterns(spec.source)]
+        except ValueError:  # not JSON: the schema check says so
+            expansions = []
+    elif spec.kind in ("regex", "ebnf"):
+        expansions = [repeat_expansion(spec.source, quoted=spec.kind == "ebnf")]
+    else:
+        expansions = []
+    if expansions and max(expansions) > MAX_REPEAT:
+        raise InvalidGrammarError(
+            spec.param, f"{spec.kind} repeats expand to {max(expansions)}, over the limit of {MAX_REPEAT} for {{m,n}}"
+        )
 
 
 def check_grammar(spec: GrammarSpec) -> None:
