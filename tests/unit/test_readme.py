@@ -23,8 +23,9 @@ def test_readme_benchmark_tables_match_bench_results():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     readme = (ROOT / "README.md").read_text()
-    for name in ("spec", "quant"):
-        assert f"<!-- bench:{name} -->" in readme and (RESULTS / f"{name}.json").exists()
+    for name in ("spec", "quant"):  # the headline tables: speculation, and quantized weights on some machine class
+        shown = re.findall(rf"<!-- bench:({name}(?:-[a-z0-9]+)?) -->", readme)
+        assert shown and all((RESULTS / f"{n}.json").exists() for n in shown), name
 
 
 def test_every_result_records_its_command_and_commit():
