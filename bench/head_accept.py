@@ -23,11 +23,10 @@ from provenance import add_machine_option, provenance, result_path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path[:0] = [str(TESTS), *{str(p.parent) for p in TESTS.rglob("test_shipped_head.py")}]
 from conftest import chat  # noqa: E402
-from test_shipped_head import QUESTIONS  # noqa: E402
+from test_shipped_head import QUESTIONS, fixed_tree  # noqa: E402
 
 from runtime.engine import Engine  # noqa: E402
-from server.cli import add_engine_args  # noqa: E402
-from speculative.defaults import DEFAULT_HEAD, resolve_spec_config  # noqa: E402
+from speculative.defaults import DEFAULT_HEAD  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
 from worker.sampling.params import SamplingParams  # noqa: E402
 
@@ -38,31 +37,6 @@ MORE = [
     "What is the difference between a virus and a bacterium?",
 ]
 SETS = {"test: 4 questions x 64": (QUESTIONS, 64), "8 questions x 128": (QUESTIONS + MORE, 128)}
-
-
-def fixed_tree(head: str):
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return resolve_spec_config(
-        p.parse_args(
-            [
-                "--speculative-algorithm",
-                "EAGLE3",
-                "--speculative-draft-model-path",
-                head,
-                "--speculative-num-steps",
-                "5",
-                "--speculative-eagle-topk",
-                "4",
-                "--speculative-num-draft-tokens",
-                "12",
-                "--speculative-cost-table",
-                "off",
-                "--speculative-context-tokens",
-                "0",
-            ]
-        )
-    )
 
 
 def main() -> None:

@@ -19,11 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
-outdir=${1:-}
-case "$outdir" in ""|-*) usage ;; esac
-shift
-source scripts/gpu-env.sh
+source scripts/gpu-env.sh  # takes OUTDIR, the first argument
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) bundle=${2:?--bundle needs a folder}; shift ;;

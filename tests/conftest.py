@@ -94,6 +94,7 @@ class ServerProcess:
     """A real `python -m server serve` subprocess on a free port."""
 
     def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
+        import shutil
         import subprocess
         import tempfile
 
@@ -102,12 +103,15 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="eaglegate-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
+        key_dir = Path(tempfile.mkdtemp(prefix="eaglegate-key-"))
         if api_key:  # from a file, as an operator would: the key stays out of the process table
-            key_file = Path(tempfile.mkdtemp(prefix="eaglegate-key-")) / "key"
-            key_file.write_text(api_key + "\n")
-            cmd += ["--api-key-file", str(key_file)]
+            (key_dir / "key").write_text(api_key + "\n")
+            cmd += ["--api-key-file", str(key_dir / "key")]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        finally:
+            shutil.rmtree(key_dir, ignore_errors=True)  # read at start-up, before the server is healthy
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
         import time

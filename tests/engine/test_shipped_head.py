@@ -26,6 +26,16 @@ def _cli(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+def fixed_tree(head: str):
+    """A head's own quality: a fixed 5-step, top-4, 12-token tree drafted every step, no context candidates
+    (bench/head_accept.py measures heads on the same tree)."""
+    return resolve_spec_config(
+        _cli("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
+             "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "12",
+             "--speculative-cost-table", "off", "--speculative-context-tokens", "0")
+    )  # fmt: skip
+
+
 def test_default_model_serves_with_the_shipped_head_by_default():
     spec = resolve_spec_config(_cli())
     assert spec.algorithm == "EAGLE3" and spec.draft_model_path == str(DEFAULT_HEAD)
@@ -42,22 +52,8 @@ def test_shipped_head_accepts_more_than_one_and_three_quarter_tokens_per_step(sm
     prompts = [smol_engine.encode(chat(smol_engine, q)) for q in QUESTIONS]
     params = SamplingParams(max_new_tokens=64, temperature=0)
     ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
-    # the head's own quality on a fixed 5-step, top-4, 12-token tree, every step, no context candidates (a random
-    # head accepts ~1.0 here); the served default drafts one token and lets rank 0 size each step
-    spec = resolve_spec_config(
-        _cli(
-            "--speculative-num-steps",
-            "5",
-            "--speculative-eagle-topk",
-            "4",
-            "--speculative-num-draft-tokens",
-            "12",
-            "--speculative-cost-table",
-            "off",
-            "--speculative-context-tokens",
-            "0",
-        )
-    )
+    # a random head accepts ~1.0 on this tree; the served default drafts one token and lets rank 0 size each step
+    spec = fixed_tree(str(DEFAULT_HEAD))
     assert spec.draft_model_path == str(DEFAULT_HEAD)
     with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
         out = [eng.generate([p], params)[0].token_ids for p in prompts]  # batch 1, as served
