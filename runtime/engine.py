@@ -24,7 +24,7 @@ import zmq
 from worker.config import EngineConfig
 from worker.dist import free_port
 from worker.model.config import load_model_config
-from worker.model.files import resolve_model
+from worker.model.files import forget_gguf, resolve_model
 from worker.model.loader import check_tp_divisibility
 from worker.model.tokenizer import load_tokenizer
 from worker.protocol import AbortRequest, AddRequest, AddRequests, Fatal, Ready, RequestOutput, Shutdown, StepReport
@@ -45,7 +45,7 @@ class RequestFailedError(RuntimeError):
 
 
 class EngineBusyError(RuntimeError):
-    """Admission control: the requests in flight past the running batch are at their limit (a 429 to clients)."""
+    """Admission control: requests or prompt tokens in flight are at their limit (a 429 to clients)."""
 
 
 @dataclass
@@ -116,6 +116,7 @@ class Engine:
         self.config = config
         self.source = resolve_model(config.model_path)
         self.model_cfg = load_model_config(self.source)
+        forget_gguf()  # the front end needs the config alone, not the file's mapping
         check_tp_divisibility(self.model_cfg, config.tp_size)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)
         self.on_step, self.on_fatal = on_step, on_fatal
