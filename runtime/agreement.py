@@ -128,8 +128,11 @@ def fingerprint(
     }
     spec = config.spec
     if spec.enabled:
-        head = resolve_draft_path(spec.draft_model_path)
-        fp["draft head"] = files_digest([p for p in head.iterdir() if p.suffix in (".json", ".safetensors")])
+        if spec.draft_model_path is None:
+            fp["draft head"] = "the checkpoint's MTP layer (covered by the weights)"
+        else:
+            head = resolve_draft_path(spec.draft_model_path)
+            fp["draft head"] = files_digest([p for p in head.iterdir() if p.suffix in (".json", ".safetensors")])
         for f in dataclasses.fields(spec):
             if f.name != "draft_model_path":
                 fp[f"speculative {f.name}"] = repr(getattr(spec, f.name))

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, EngineConfig
+from worker.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, SPECULATIVE_ALGORITHMS, EngineConfig
 
 log = logging.getLogger("eaglegate")
 
@@ -84,9 +84,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-algorithm",
         default=None,
-        choices=["NONE", "EAGLE", "EAGLE3"],
-        help="EAGLE takes an EAGLE-1/2 or EAGLE-3 head (its config says which); EAGLE3 insists on EAGLE-3. Default: "
-        "EAGLE3 with the shipped head for the default model, else NONE",
+        type=str.upper,
+        choices=SPECULATIVE_ALGORITHMS,
+        help="EAGLE takes an EAGLE-1/2 or EAGLE-3 head (its config says which), or without a draft path the "
+        "checkpoint's own MTP layer (NEXTN and MTP: the same); EAGLE3 insists on an EAGLE-3 head. Default: EAGLE3 "
+        "with the shipped head for the default model, else NONE",
     )
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)

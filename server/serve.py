@@ -64,7 +64,7 @@ def serve(
     app = build_app(supervisor, settings, metrics)
     print(
         f"eaglegate: loaded {config.model_path} (tp={config.tp_size}, dtype={config.dtype}, "
-        f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path) if spec.enabled else ''}) "
+        f"speculative={spec.algorithm}{' ' + str(spec.draft_model_path or 'MTP layer') if spec.enabled else ''}) "
         f"in {time.monotonic() - t0:.1f} s; KV pool {engine.ready.kv_total_tokens} tokens",
         flush=True,
     )

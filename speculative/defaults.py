@@ -57,8 +57,8 @@ def resolve_spec_config(args) -> SpecConfig:
     steps = args.speculative_num_steps or 4
     topk = args.speculative_eagle_topk or 1
     draft = args.speculative_num_draft_tokens or (steps + 1 if topk == 1 else min(steps * topk + 1, 16))
-    path = args.speculative_draft_model_path
-    if path is None and args.model_path == DEFAULT_MODEL:
+    path = args.speculative_draft_model_path  # None: the target's own MTP layer drafts (speculative/mtp.py)
+    if path is None and args.model_path == DEFAULT_MODEL and algo in ("EAGLE", "EAGLE3"):
         path = str(DEFAULT_HEAD)
     return SpecConfig(
         algorithm=algo,

@@ -161,8 +161,10 @@ class DraftHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(dcfg.draft_vocab_size, dtype=torch.long), persistent=False)
         self.vocab_subset: torch.Tensor | None = None  # FR-Spec: draft only among these target ids
         self.subset_head: ReplicatedLinear | None = None
-        attn = (self.layer if self.kind == "eagle" else self.midlayer).self_attn.qkv_proj
-        self.kv_local, self.head_dim = attn.kv_local, cfg.head_dim
+
+    @property
+    def attention(self) -> nn.Module:
+        return (self.layer if self.kind == "eagle" else self.midlayer).self_attn
 
     @property
     def target(self) -> CausalLM:

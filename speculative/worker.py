@@ -22,11 +22,12 @@ from worker.model.files import ModelLoadError
 from worker.model.layers import pack_cpu_linears, quantize_linears
 from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of
 from worker.protocol import SpecPlan
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, kv_caches
 
 from .budget import CostGrid, CostTable, timed_row
 from .decisions import Commit, Selection, SpecDecisions
 from .heads import DraftHead, load_draft_head, resolve_draft_path
+from .mtp import MTPDraft, load_mtp_draft
 from .tree import DraftTree, VerifyTree, build_verify_tree
 
 # the verify forwards timed at start-up: tokens of context behind each sequence, batch sizes, rows per sequence (and
@@ -110,15 +111,25 @@ class SpecResult:
     catch_up_seconds: float = 0.0  # of the draft phase: catching up past a drafting step's usual span (`_draft`)
 
 
+def load_draft(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> DraftHead | MTPDraft:
+    """The EAGLE head at --speculative-draft-model-path, else the target checkpoint's own MTP layer."""
+    spec = config.spec
+    if spec.draft_model_path is None:
+        if spec.algorithm.upper() == "EAGLE3":
+            raise ModelLoadError(
+                "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path (an EAGLE-3 head)"
+            )
+        return load_mtp_draft(config, runner.source, runner.model, tp, runner.dtype)
+    max_pos = runner.model.rope.cos.shape[0]
+    return load_draft_head(resolve_draft_path(spec.draft_model_path), runner.model, tp, runner.dtype, max_pos)
+
+
 class SpecWorker:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tp: TPGroup):
         self.config, self.runner, self.tp = config, runner, tp
         self.spec = config.spec
         check_tree_width(self.spec, runner.attention_backend)
-        max_pos = runner.model.rope.cos.shape[0]
-        self.head: DraftHead = load_draft_head(
-            resolve_draft_path(self.spec.draft_model_path), runner.model, tp, runner.dtype, max_pos
-        )
+        self.head: DraftHead | MTPDraft = load_draft(config, runner, tp)
         if self.spec.algorithm.upper() == "EAGLE3" and self.head.kind != "eagle3":
             raise ModelLoadError(
                 f"--speculative-algorithm EAGLE3 needs an EAGLE-3 head; {self.spec.draft_model_path} "
@@ -132,11 +143,7 @@ class SpecWorker:
         if self.head.kind == "eagle3":
             runner.model.aux_layers = set(self.head.dcfg.aux_layers)
         slots = runner.num_blocks * runner.block_size
-        shape = (slots, self.head.kv_local, self.head.head_dim)
-        self.draft_kv = (
-            torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
-            torch.zeros(shape, dtype=runner.kv_dtype, device=tp.device),
-        )
+        self.draft_kv = kv_caches([self.head.attention], slots, runner.kv_dtype, tp.device)[0]
         # the target's own activations, unfused and in its dtype: a lossless copy (heads.DraftHead.stored)
         self.features = torch.zeros(slots, self.head.stored_width, dtype=runner.dtype, device=tp.device)
         runner.on_hidden = self._store_features

@@ -8,6 +8,19 @@ import torch
 
 from worker.model.files import default_model_dir
 
+MLA_SHAPES = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 24,
+    "rope_interleave": True,
+    "norm_topk_prob": True,
+}
+
 
 def save_tiny_model(
     folder: Path,
@@ -33,6 +46,8 @@ def save_tiny_model(
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "glm4_moe_lite": (transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[arch]
     moe = {
         "qwen3_moe": {
@@ -67,6 +82,28 @@ def save_tiny_model(
             "use_qk_norm": True,
             "num_nextn_predict_layers": 0,
         },
+        # GLM-4.7-Flash's structure in small: latent attention with a low-rank q, interleaved rope, a dense first
+        # layer, 8 experts in 2 groups with a score bias, one shared expert, scaled weights
+        "glm4_moe_lite": MLA_SHAPES | {"q_lora_rank": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8},
+        # DeepSeek-V3's: q straight from q_proj (no q_lora_rank), YaRN context extension, top-2 groups of 4
+        "deepseek_v3": MLA_SHAPES
+        | {
+            "q_lora_rank": None,
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "mscale": 0.9,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
     }.get(arch, {})
     cfg = cls[0](
         vocab_size=vocab,
@@ -98,10 +135,62 @@ def save_tiny_model(
             if name.endswith("e_score_correction_bias"):  # steers the expert choice: make it matter
                 b.normal_(0, 0.3)
     model.save_pretrained(folder, safe_serialization=True)
+    if arch in ("glm4_moe_lite", "deepseek_v3"):
+        add_mtp_layer(folder, cls, seed)
     tok_src = default_model_dir() / "tokenizer"
     for f in tok_src.iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
     return folder
+
+
+def add_mtp_layer(folder: Path, classes, seed: int) -> None:
+    """Append a multi-token-prediction layer as DeepSeek-V3 and GLM-4.7-Flash publish it: `model.layers.{n}` with
+    enorm, hnorm, eh_proj, a sparse decoder layer (transformers' own class), shared_head.norm, and copies of the
+    embedding and LM head (shared_head.head), beside `num_nextn_predict_layers: 1`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((folder / "config.json").read_text())
+    n = raw["num_hidden_layers"]
+    cfg = classes[0].from_pretrained(folder)
+    if getattr(cfg, "mlp_layer_types", None):
+        cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+    import sys
+
+    module = sys.modules[classes[1].__module__]  # transformers' modeling file of this architecture
+    layer_cls = getattr(module, classes[1].__name__.replace("ForCausalLM", "DecoderLayer"))
+    torch.manual_seed(seed + 1)
+    layer = layer_cls(cfg, n)
+    state = load_file(folder / "model.safetensors")
+    h, i = raw["hidden_size"], raw["moe_intermediate_size"]
+    extra = {
+        f"mlp.experts.{e}.{p}.weight": torch.randn(shape) * 1.5 / shape[1] ** 0.5
+        for e in range(cfg.n_routed_experts)
+        for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
+    }
+    with torch.no_grad():
+        for name, p in list(layer.state_dict().items()):
+            if "experts" in name and p.dim() == 3:
+                continue
+            extra[name] = (
+                torch.empty_like(p).uniform_(0.8, 1.2)
+                if "norm" in name
+                else torch.empty_like(p).normal_(0, 0.3)
+                if p.dim() == 1
+                else torch.empty_like(p).normal_(0, 1.5 / p.shape[-1] ** 0.5)
+            )
+    extra |= {
+        "enorm.weight": torch.empty(h).uniform_(0.8, 1.2),
+        "hnorm.weight": torch.empty(h).uniform_(0.8, 1.2),
+        "shared_head.norm.weight": torch.empty(h).uniform_(0.8, 1.2),
+        "eh_proj.weight": torch.randn(h, 2 * h) / (2 * h) ** 0.5,
+        "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+        "shared_head.head.weight": state["lm_head.weight"].clone(),
+    }
+    state |= {f"model.layers.{n}.{k}": v.contiguous() for k, v in extra.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
 
 
 def descendants(pid: int) -> set[int]:

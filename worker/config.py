@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # worker/kernels/quant.py
+SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "MTP")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """EAGLE speculative decoding settings (SGLang flag names)."""
 
-    algorithm: str = "NONE"  # NONE | EAGLE | EAGLE3
+    algorithm: str = "NONE"  # NONE | EAGLE | EAGLE3 | NEXTN | MTP (the last two: EAGLE's aliases, SGLang's names)
+    # an EAGLE head; None: the target checkpoint's own multi-token-prediction layer (speculative/mtp.py)
     draft_model_path: str | None = None
     num_steps: int = 4
     eagle_topk: int = 1
@@ -116,7 +118,7 @@ class EngineConfig:
                 "it exists only to prove the divergence guard in tests"
             )
         s = self.spec
-        if s.algorithm.upper() not in ("NONE", "EAGLE", "EAGLE3"):
+        if s.algorithm.upper() not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"unknown speculative algorithm {s.algorithm!r}")
         if s.enabled:
             if s.num_steps < 1 or s.eagle_topk < 1 or s.num_draft_tokens < 2:

@@ -5,6 +5,7 @@ Every rank runs this identically; only rank 0 looks at the logits to decide anyt
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -19,19 +20,31 @@ from worker.model.loader import load_target, resolve_dtype
 from worker.model.seq_slice import SeqSlice
 from worker.protocol import ForwardPlan
 
+logger = logging.getLogger("eaglegate.runner")
 
-def kv_cache_dtype(dtype: torch.dtype, device: torch.device, backend: str = "torch") -> torch.dtype:
+
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device, backend: str = "torch", mla: bool = False) -> torch.dtype:
     """The model dtype on GPUs, and on CPU where the fused kernels attend (bfloat16 halves the bytes a step gathers
-    from a cache the weights have evicted); float32 for the CPU's eager and Triton-interpreter paths (attention.py)."""
+    from a cache the weights have evicted); float32 for the CPU's eager and Triton-interpreter paths (attention.py)
+    and for latent attention, which the fused kernels do not run."""
     if device.type != "cpu":
         return dtype
-    fused = backend == "torch" and dtype == torch.bfloat16 and cpu_kernels.ops(device) is not None
+    fused = backend == "torch" and dtype == torch.bfloat16 and cpu_kernels.ops(device) is not None and not mla
     return torch.bfloat16 if fused else torch.float32
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    attn = model.layers[0].self_attn.qkv_proj
-    return 2 * len(model.layers) * attn.kv_size * torch.finfo(dtype).bits // 8
+    values = sum(heads * width for layer in model.layers for heads, width in layer.self_attn.cache_widths)
+    return values * torch.finfo(dtype).bits // 8
+
+
+def kv_caches(attn_layers, slots: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """One (K, V) pair of [slots, heads, width] caches per attention module, shaped as the module asks (latent
+    attention: one shared latent per token and an empty V)."""
+    return [
+        tuple(torch.zeros((slots, heads, width), dtype=dtype, device=device) for heads, width in attn.cache_widths)
+        for attn in attn_layers
+    ]
 
 
 def available_memory(device: torch.device) -> int:
@@ -44,8 +57,13 @@ CPU_DEFAULT_MAX_TOKENS = 32768
 GRAPH_MAX_CHUNK = 64  # a sequence's rows in a step up to which it may replay a graph (prefill chunks run eagerly)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """auto: the Triton paged kernels on GPUs, the reference path on CPU."""
+def resolve_attention_backend(name: str, device: torch.device, mla: bool = False) -> str:
+    """auto: the Triton paged kernels on GPUs, the reference path on CPU. Latent attention runs on the torch path
+    (its paged Triton kernel is not built)."""
+    if mla:
+        if name == "triton":
+            logger.warning("latent attention has no Triton kernel; it runs on the torch attention path")
+        return "torch"
     return name if name != "auto" else ("triton" if device.type == "cuda" else "torch")
 
 
@@ -53,23 +71,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup, show_progress: bool = False):
         self.config, self.tp, self.source = config, tp, source
         self.dtype = resolve_dtype(config.dtype, tp.device)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device)
         self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
-        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device, self.model_cfg.mla)
+        self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend, self.model_cfg.mla)
         self.block_size = config.block_size
         self.num_blocks = self._agree_num_blocks()
         graphs = self._graph_mode()
         # graph padding rows write one scratch block past the pool, which the scheduler never hands out
         slots = (self.num_blocks + (graphs is not None)) * self.block_size
-        kv_local = self.model.layers[0].self_attn.qkv_proj.kv_local
-        shape = (slots, kv_local, self.model_cfg.head_dim)
-        self.kv = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=tp.device),
-            )
-            for _ in range(self.model_cfg.num_layers)
-        ]
+        self.kv = kv_caches([layer.self_attn for layer in self.model.layers], slots, self.kv_dtype, tp.device)
         self.on_hidden = None  # speculative decoding stores the draft's features from every target forward
         self.noise_gen = torch.Generator(device=tp.device)
         self.noise_gen.manual_seed(1000 + tp.rank)
@@ -155,9 +165,10 @@ class ModelRunner:
         return hidden, aux, meta.slot_mapping
 
     def perturb(self, logits: torch.Tensor) -> torch.Tensor:
-        """Fault injection: rank-dependent noise imitating all-reduce results that differ bit-wise by rank."""
+        """Fault injection: noise on every rank but 0, imitating all-reduce results that differ bit-wise by rank. Rank 0
+        keeps its logits, so an engine that takes every decision from rank 0 gives tp=1's output."""
         scale = self.config.debug_rank_logit_noise
-        if scale:
+        if scale and self.tp.rank:
             noise = torch.randn(logits.shape, generator=self.noise_gen, device=logits.device)
             logits = logits + scale * noise
         return logits

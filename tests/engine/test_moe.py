@@ -145,10 +145,9 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, glm_moe):
     moe_model = glm_moe[0]
     for f in moe_model.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
-    # GLM-4.7-Flash's architecture (multi-head latent attention) is not implemented
-    cfg = json.loads((moe_model / "config.json").read_text()) | {"architectures": ["Glm4MoeLiteForCausalLM"]}
+    cfg = json.loads((moe_model / "config.json").read_text()) | {"architectures": ["JambaForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="Glm4MoeLiteForCausalLM.*supported: .*Glm4MoeForCausalLM.*Mixtral"):
+    with pytest.raises(ModelLoadError, match="JambaForCausalLM.*supported: .*Glm4MoeLiteForCausalLM.*Mixtral"):
         load_model_config(resolve_model(str(tmp_path)))
 
 

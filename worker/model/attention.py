@@ -242,6 +242,9 @@ def _row_gather(meta: AttentionMetadata, hkv: int, dtype: torch.dtype) -> tuple[
         N, width = meta.row_kv_slots.shape
         heads = torch.arange(hkv, device=meta.row_kv_slots.device).view(1, hkv, 1)
         index = (meta.row_kv_slots.unsqueeze(1) * hkv + heads).reshape(-1)
+        if meta.row_bias is None:  # metadata built for the fused kernels, which read only the counts
+            real = torch.arange(width, device=index.device).unsqueeze(0) < meta.row_counts.unsqueeze(1)
+            meta.row_bias = torch.zeros(real.shape, device=index.device).masked_fill(~real, float("-inf")).unsqueeze(1)
         bias = meta.row_bias.to(dtype).unsqueeze(1).expand(N, hkv, 1, width).reshape(N * hkv, 1, width)
         cached = (index, bias)
         meta.row_gather = (meta.row_gather or {}) | {(hkv, dtype): cached}

@@ -20,6 +20,7 @@ from worker.model.layers import (
     VocabParallelEmbedding,
     rope_rows,
 )
+from worker.model.mla import MLAttention, mla_param_map
 from worker.model.moe import SparseMoE, moe_param_map
 
 
@@ -35,6 +36,11 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # replicated: one weight of head_dim shared by every head
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+
+    @property
+    def cache_widths(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of this rank's K and V caches."""
+        return (self.qkv_proj.kv_local, self.head_dim), (self.qkv_proj.kv_local, self.head_dim)
 
     def forward(
         self,
@@ -104,6 +110,8 @@ def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
     """A layer's weights for cpu_kernels' one-call layer, built on first use (again if a weight is swapped), or None
     where the layer is not a quantized Llama-style layer on one rank (`input_layernorm`, `self_attn`,
     `post_attention_layernorm`, a gated `mlp`)."""
+    if not isinstance(layer.self_attn, Attention):  # latent attention runs through torch (worker/model/mla.py)
+        return None
     cached = layer.__dict__.get("_fused")  # (its linears, their weights then, LayerWeights): a hot path, plain reads
     if cached is not None and all(getattr(m, "qweight", None) is w for m, w in zip(cached[0], cached[1])):
         return cached[2]
@@ -166,7 +174,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         # EAGLE-1/2 draft layers have no input norm: their input is already a fused, normed feature
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else nn.Identity()
-        self.self_attn = Attention(cfg, tp, dtype)
+        self.self_attn = MLAttention(cfg, tp, dtype) if cfg.mla else Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = moe if moe is not None else MLP(cfg, tp, dtype)
 
@@ -248,22 +256,35 @@ class CausalLM(nn.Module):
             m["lm_head.weight"] = ("lm_head.weight", None)
         for i in range(self.cfg.num_layers):
             c, src, dst = self.cfg, f"model.layers.{i}.", f"layers.{i}."
-            m |= layer_param_map(src, dst, c.attention_bias, qk_norm=c.qk_norm, mlp=i not in c.moe_layers)
-            if i in c.moe_layers:
-                m |= moe_param_map(src, dst, c)
+            m |= decoder_param_map(src, dst, c, moe=i in c.moe_layers)
         return m
 
 
+def decoder_param_map(src: str, dst: str, cfg: ModelConfig, moe: bool) -> dict[str, tuple[str, object]]:
+    """One target decoder layer (an MTP layer's too): its attention, norms and dense or sparse MLP."""
+    m = layer_param_map(src, dst, cfg.attention_bias, qk_norm=cfg.qk_norm, mlp=not moe, attention=not cfg.mla)
+    if cfg.mla:
+        m |= mla_param_map(src, dst, cfg)
+    return m | (moe_param_map(src, dst, cfg) if moe else {})
+
+
 def layer_param_map(
-    src: str, dst: str, qkv_bias: bool = False, input_norm: bool = True, qk_norm: bool = False, mlp: bool = True
+    src: str,
+    dst: str,
+    qkv_bias: bool = False,
+    input_norm: bool = True,
+    qk_norm: bool = False,
+    mlp: bool = True,
+    attention: bool = True,
 ) -> dict:
     """Checkpoint names of one decoder layer -> (packed parameter, shard id), for targets and draft heads."""
     m: dict[str, tuple[str, object]] = {}
-    for proj in ("q", "k", "v"):
+    for proj in ("q", "k", "v") if attention else ():
         m[f"{src}self_attn.{proj}_proj.weight"] = (f"{dst}self_attn.qkv_proj.weight", proj)
         if qkv_bias:
             m[f"{src}self_attn.{proj}_proj.bias"] = (f"{dst}self_attn.qkv_proj.bias", proj)
-    m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
+    if attention:
+        m[f"{src}self_attn.o_proj.weight"] = (f"{dst}self_attn.o_proj.weight", None)
     if qk_norm:
         for norm in ("q_norm", "k_norm"):
             m[f"{src}self_attn.{norm}.weight"] = (f"{dst}self_attn.{norm}.weight", None)

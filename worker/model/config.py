@@ -17,12 +17,16 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",  # Mistral attention, sparse MoE MLPs
     # partial rotary, optional q/k norm; shared experts beside grouped sigmoid top-k routing with a score bias
     "Glm4MoeForCausalLM": "glm4_moe",
+    # multi-head latent attention (worker/model/mla.py) beside grouped sigmoid MoE and an MTP layer
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+MLA_ARCHITECTURES = ("glm4_moe_lite", "deepseek_v3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3 | qwen2_moe | qwen3_moe | mixtral | glm4_moe
+    architecture: str  # a value of SUPPORTED_ARCHITECTURES, or a GGUF architecture (llama | mistral | qwen2)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,7 +39,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3 scaling parameters, as sorted items
+    rope_scaling: tuple[tuple[str, float | str], ...] = ()  # llama3 or yarn parameters and rope_type, sorted items
     eos_token_ids: tuple[int, ...] = ()
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rotary embedding
     rotary_dim: int = 0  # the leading dims of each head that rotary embedding turns (0: all; GLM-4 MoE: half)
@@ -53,7 +57,18 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # a dense expert every token goes through (0: none)
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output is scaled by sigmoid(a router column)
-    mtp_layers: int = 0  # multi-token-prediction layers stored after the last decoder layer (not loaded)
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the last decoder layer (the MTP draft)
+    # multi-head latent attention (kv_lora_rank 0: none). Each token caches its normed KV latent and its rotated
+    # rope key (kv_lora_rank + qk_rope_head_dim values); head_dim is qk_rope_head_dim, the rotated width
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q comes straight from q_proj
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rope dims paired (x0, x1), (x2, x3), ... rather than split in halves
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def rope_dim(self) -> int:
@@ -64,16 +79,30 @@ class ModelConfig:
         return dict(self.rope_scaling)
 
 
-def _rope_scaling(raw: dict | None) -> tuple[tuple[str, float], ...]:
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # DeepSeek-V3's context extension; the optional keys take transformers' defaults when absent
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+
+
+def _rope_scaling(raw: dict | None, max_positions: int) -> tuple[tuple[str, float | str], ...]:
     if not raw:
         return ()
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return ()
-    if kind != "llama3":
-        raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: llama3")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return tuple(sorted((k, float(raw[k])) for k in keys))
+    if kind not in ROPE_SCALING_KEYS:
+        raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_SCALING_KEYS)}")
+    items: dict[str, float | str] = {"rope_type": kind}
+    for k in ROPE_SCALING_KEYS[kind]:
+        if raw.get(k) is None and not (kind == "yarn" and k == "factor"):
+            raise ModelLoadError(f"rope scaling {kind!r} needs {k!r}")
+        items[k] = float(raw[k]) if raw.get(k) is not None else max_positions / float(raw[ROPE_SCALING_KEYS[kind][1]])
+    if kind == "yarn":
+        items |= {k: float(raw[k]) for k in YARN_OPTIONAL if raw.get(k) is not None}
+    return tuple(sorted(items.items()))
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -89,7 +118,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -105,12 +134,27 @@ def config_from_hf(hf: dict) -> ModelConfig:
         attention_bias=arch == "qwen2"
         or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
         or bool(hf.get("attention_bias", False)),
-        rope_scaling=_rope_scaling(scaling),
+        rope_scaling=_rope_scaling(scaling, hf.get("max_position_embeddings", 4096)),
         eos_token_ids=eos_ids,
         qk_norm=arch in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm", False)),
         rotary_dim=_rotary_dim(hf, hf.get("head_dim") or hf["hidden_size"] // heads, rope_params, arch),
-        **_moe_fields(arch, hf),
     )
+    return ModelConfig(**fields | _moe_fields(arch, hf) | _mla_fields(arch, hf))
+
+
+def _mla_fields(arch: str, hf: dict) -> dict:
+    if arch not in MLA_ARCHITECTURES:
+        return {}
+    return {
+        "kv_lora_rank": hf["kv_lora_rank"],
+        "q_lora_rank": hf.get("q_lora_rank") or 0,
+        "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "v_head_dim": hf["v_head_dim"],
+        "head_dim": hf["qk_rope_head_dim"],
+        "rotary_dim": 0,
+        "num_kv_heads": hf["num_attention_heads"],  # a latent per token, expanded to every head
+        "rope_interleave": bool(hf.get("rope_interleave", True)),
+    }
 
 
 def _moe_fields(arch: str, hf: dict) -> dict:
@@ -140,22 +184,32 @@ def _moe_fields(arch: str, hf: dict) -> dict:
                 else {}
             ),
         }
-    if arch == "glm4_moe":
-        dense = hf.get("first_k_dense_replace", 1)  # transformers' defaults where a config leaves them out
-        return {
-            "num_experts": hf["n_routed_experts"],
-            "experts_per_token": hf["num_experts_per_tok"],
-            "moe_intermediate_size": hf["moe_intermediate_size"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-            "moe_layers": tuple(range(dense, hf["num_hidden_layers"])),
-            "routing": "grouped_sigmoid",
-            "expert_groups": hf.get("n_group", 1),
-            "topk_group": hf.get("topk_group", 1),
-            "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-            "shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf.get("n_shared_experts", 1),
-            "mtp_layers": hf.get("num_nextn_predict_layers", 0),
-        }
+    if arch in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):
+        return _grouped_moe_fields(arch, hf)
     return {}
+
+
+def _grouped_moe_fields(arch: str, hf: dict) -> dict:
+    """GLM-4 MoE, GLM-4.7-Flash and DeepSeek-V3: dense first layers, grouped sigmoid routing, shared experts."""
+    layers = hf["num_hidden_layers"]
+    if hf.get("mlp_layer_types"):  # GLM-4.7-Flash in transformers 5
+        sparse = tuple(i for i, kind in enumerate(hf["mlp_layer_types"][:layers]) if kind == "sparse")
+    else:  # transformers' defaults where a config leaves them out
+        dense = hf.get("first_k_dense_replace", 3 if arch == "deepseek_v3" else 1)
+        sparse = tuple(range(dense, layers))
+    return {
+        "num_experts": hf["n_routed_experts"],
+        "experts_per_token": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe_layers": sparse,
+        "routing": "grouped_sigmoid",
+        "expert_groups": hf.get("n_group") or 1,
+        "topk_group": hf.get("topk_group") or 1,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "shared_expert_intermediate_size": hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 1),
+        "mtp_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0,
+    }
 
 
 def _rotary_dim(hf: dict, head_dim: int, rope_params: dict, arch: str) -> int:

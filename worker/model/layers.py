@@ -310,10 +310,12 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float]) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv
+    if scaling.get("rope_type") == "yarn":
+        return _yarn_inv_freq(inv, head_dim, theta, scaling)
     # Llama 3.1 frequency-dependent scaling
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -326,16 +328,47 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float]) -> tor
     return torch.where(is_mid, mid, scaled)
 
 
+def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated by
+    `factor`, those turning more than beta_fast times are kept, with a linear ramp between."""
+    old_len = scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns: float) -> float:  # the dimension whose frequency turns `turns` times over old_len
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling.get("beta_fast", 32.0)), dim_turning(scaling.get("beta_slow", 1.0))
+    if scaling.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv / scaling["factor"] * ramp + inv * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for other kinds)."""
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if "attention_factor" in scaling:
+        return scaling["attention_factor"]
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding over a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, float]):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
         inv = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for these positions, [N, 1, head_dim]: looked up once per step, used by every layer."""

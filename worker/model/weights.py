@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -105,24 +105,47 @@ def iter_gguf(
         yield name, w
 
 
-def iter_safetensors(folder: Path, show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(folder: Path, only: Callable[[str], bool] | None = None) -> list[str]:
+    """The checkpoint's files (those holding a tensor `only` accepts, where an index says which)."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError) as e:
             raise ModelLoadError(f"bad shard index {index}: {e}") from e
+        files = sorted({f for name, f in weight_map.items() if only is None or only(name)})
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
+    if not files and only is None:
         raise ModelLoadError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def checkpoint_names(source: ModelSource) -> set[str]:
+    """Every tensor name in the checkpoint, read from the headers only."""
+    if source.kind == "gguf":
+        return {t.name for t in read_gguf(source.path).tensors}
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for fname in _safetensors_files(source.path):
+        with safe_open(str(source.path / fname), framework="pt") as f:
+            names |= set(f.keys())
+    return names
+
+
+def iter_safetensors(
+    folder: Path, show_progress: bool, only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = _safetensors_files(folder, only)
     for fname in tqdm(files, desc="loading safetensors", unit="file", disable=not show_progress, leave=False):
         try:
             with safe_open(str(folder / fname), framework="pt") as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key)
+                    if only is None or only(key):
+                        yield key, f.get_tensor(key)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises SafetensorError / OSError on truncated files
@@ -130,11 +153,17 @@ def iter_safetensors(folder: Path, show_progress: bool) -> Iterator[tuple[str, t
 
 
 def iter_checkpoint(
-    source: ModelSource, cfg: ModelConfig, show_progress: bool, method: str = "none"
+    source: ModelSource,
+    cfg: ModelConfig,
+    show_progress: bool,
+    method: str = "none",
+    only: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
+    """The checkpoint's tensors under Hugging Face names (those `only` accepts), quantized as `method` asks."""
     if source.kind == "gguf":
-        return iter_gguf(source.path, cfg, show_progress, method)
-    tensors = iter_safetensors(source.path, show_progress)
+        tensors = iter_gguf(source.path, cfg, show_progress, method)
+        return tensors if only is None else ((n, w) for n, w in tensors if only(n))
+    tensors = iter_safetensors(source.path, show_progress, only)
     bits = METHOD_BITS.get(method)
     if bits is None:
         return tensors
@@ -145,8 +174,9 @@ def iter_checkpoint(
 
 
 def _stays_dense(name: str) -> bool:
+    """The embedding table, MoE routers, and latent attention's kv_b_proj (read per head, worker/model/mla.py)."""
     return "embed_tokens" in name or name.endswith(
-        ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+        ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight", "kv_b_proj.weight")
     )
 
 
