@@ -84,7 +84,7 @@ def save_tiny_model(
         },
         # GLM-4.7-Flash's structure in small: latent attention with a low-rank q, interleaved rope, a dense first
         # layer, 8 experts in 2 groups with a score bias, one shared expert, scaled weights
-        "glm4_moe_lite": MLA_SHAPES | {"q_lora_rank": 48, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8},
+        "glm4_moe_lite": MLA_SHAPES | {"q_lora_rank": 64, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8},
         # DeepSeek-V3's: q straight from q_proj (no q_lora_rank), YaRN context extension, top-2 groups of 4
         "deepseek_v3": MLA_SHAPES
         | {

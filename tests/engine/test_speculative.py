@@ -315,7 +315,7 @@ def test_draft_head_runs_int8_beside_a_quantized_target():
 
     meta = build_attention_metadata([SeqSlice(10, 3, list(range(16)))], 16, torch.device("cpu"), "torch")
     ids, pos, feats = torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]), torch.randn(3, 576, generator=g).bfloat16()
-    fresh = [torch.randn(256, head.kv_local, head.head_dim, generator=g).bfloat16() for _ in range(2)]
+    fresh = [torch.randn(256, *widths, generator=g).bfloat16() for widths in head.attention.cache_widths]
     runs = {}
     with torch.inference_mode():
         assert model_mod.fused_weights(head.midlayer, ops, torch.bfloat16) is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from worker.model import fp8
 from worker.model.files import ModelLoadError, ModelSource, read_gguf
 
 SUPPORTED_ARCHITECTURES = {
@@ -65,6 +66,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # rope dims paired (x0, x1), (x2, x3), ... rather than split in halves
+    fp8_block: tuple[int, int] | None = None  # a block-FP8 checkpoint's (rows, columns) per scale (worker/model/fp8.py)
 
     @property
     def mla(self) -> bool:
@@ -135,6 +137,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         or (arch == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
         or bool(hf.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling, hf.get("max_position_embeddings", 4096)),
+        fp8_block=fp8.block_size(hf),
         eos_token_ids=eos_ids,
         qk_norm=arch in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm", False)),
         rotary_dim=_rotary_dim(hf, hf.get("head_dim") or hf["hidden_size"] // heads, rope_params, arch),

@@ -21,6 +21,7 @@ from worker.kernels.quant import (
     gguf_blocks,
     quantize_rtn,
 )
+from worker.model import fp8
 from worker.model.config import ModelConfig
 from worker.model.files import ModelLoadError, ModelSource, read_gguf
 
@@ -164,6 +165,8 @@ def iter_checkpoint(
         tensors = iter_gguf(source.path, cfg, show_progress, method)
         return tensors if only is None else ((n, w) for n, w in tensors if only(n))
     tensors = iter_safetensors(source.path, show_progress, only)
+    if cfg.fp8_block is not None:
+        tensors = fp8.dequantize_stream(tensors, cfg.fp8_block)
     bits = METHOD_BITS.get(method)
     if bits is None:
         return tensors
