@@ -22,7 +22,7 @@ def _compose_binary() -> str:
     return str(Path(compose.__file__).parent / "docker-compose")
 
 
-@pytest.mark.parametrize("profile", ["rocm", "cuda", "cpu"])
+@pytest.mark.parametrize("profile", ["rocm", "cuda", "cpu", "glm-flash-rocm"])
 def test_compose_validates(profile):
     r = subprocess.run(
         [_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
@@ -44,11 +44,29 @@ def test_compose_validates(profile):
     gateway = services[f"eaglegate-{profile}"]
     assert "healthcheck" in gateway and gateway["restart"] == "unless-stopped"
     assert {"prometheus", "grafana"} <= set(services)
-    if profile == "rocm":
+    if "rocm" in profile:
         devices = {d["source"] for d in gateway["devices"]}
         assert devices == {"/dev/kfd", "/dev/dri"} and gateway["ipc"] == "host"
         assert "seccomp=unconfined" in gateway["security_opt"] and "video" in gateway["group_add"]
         assert "HIP_VISIBLE_DEVICES" in gateway["environment"] and gateway["shm_size"]
+
+
+def test_the_glm_flash_service_runs_tp4_with_its_mtp_layer():
+    """GLM-4.7-Flash at TP4 on 4 MI355X: no draft path, so the checkpoint's MTP layer drafts (speculative/mtp.py)."""
+    from server.cli import build_parser
+
+    full = subprocess.run(
+        [_compose_binary(), "-f", "docker-compose.yml", "--profile", "glm-flash-rocm", "config", "--format", "json"],
+        cwd=DEPLOY,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=KEYED,
+    )
+    service = json.loads(full.stdout)["services"]["eaglegate-glm-flash-rocm"]
+    args = build_parser().parse_args(service["command"])  # every flag is one the CLI takes
+    assert args.tp_size == 4 and args.speculative_algorithm == "EAGLE" and args.speculative_draft_model_path is None
+    assert args.model_path.endswith("GLM-4.7-Flash") and service["environment"]["HIP_VISIBLE_DEVICES"] == "0,1,2,3"
 
 
 @pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.multinode.yml"])
