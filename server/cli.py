@@ -10,7 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from worker.config import DEFAULT_MODEL, QUANTIZATION_CHOICES, SPECULATIVE_ALGORITHMS, EngineConfig
+from worker.config import (
+    DEFAULT_MODEL,
+    QUANTIZATION_CHOICES,
+    SPECULATIVE_ALGORITHMS,
+    TARGET_QUANTIZATION_CHOICES,
+    EngineConfig,
+)
 
 log = logging.getLogger("eaglegate")
 
@@ -27,9 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default="auto",
-        choices=QUANTIZATION_CHOICES,
+        choices=TARGET_QUANTIZATION_CHOICES,
         help="weights: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks (K-quants requantized to int4) on "
-        "CPU in bfloat16; int4/int8 quantize any checkpoint at load; none keeps dense weights",
+        "CPU in bfloat16, and a block-FP8 checkpoint's bytes on GPUs (fp8 insists); int4/int8 quantize any "
+        "checkpoint at load; none keeps dense weights",
     )
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument(

@@ -22,7 +22,7 @@ from worker.dist import TPGroup
 from worker.model.attention import AttentionMetadata
 from worker.model.causal_lm import CausalLM, DecoderLayer, decoder_param_map, rope_dtype
 from worker.model.files import ModelLoadError, ModelSource
-from worker.model.layers import ReplicatedLinear, RMSNorm
+from worker.model.layers import ReplicatedLinear, RMSNorm, pack_fp8_linears
 from worker.model.moe import SparseMoE
 from worker.model.weights import checkpoint_names, iter_checkpoint, load_weights
 
@@ -100,11 +100,14 @@ def load_mtp_draft(config: EngineConfig, source: ModelSource, target: CausalLM, 
     moe = any(n.startswith("mlp.experts.") for n in names)
     router = SparseMoE(cfg, tp, dtype, config.debug_rank_router_noise, config.debug_skip_decision_broadcast)
     head = MTPDraft(target, tp, dtype, router if moe else None)
-    tensors = iter_checkpoint(source, cfg, False, only=lambda n: n.startswith(prefix))
+    method = "fp8" if target.weights_method == "fp8" else "none"  # int4/int8 drafts: speculative/worker.py
+    tensors = iter_checkpoint(source, cfg, False, method, only=lambda n: n.startswith(prefix))
     load_weights(
         head,
         head.param_map(moe),
         ((n[len(prefix) :], w) for n, w in tensors),
         ignore=(r"embed_tokens\.weight", r"shared_head\.head\.weight", re.escape("rotary_emb.inv_freq")),
     )
+    if method == "fp8":
+        pack_fp8_linears(head, tp.device)
     return head.to(tp.device).eval()

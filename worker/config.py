@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # worker/kernels/quant.py
+TARGET_QUANTIZATION_CHOICES = QUANTIZATION_CHOICES + ("fp8",)  # fp8: a block-FP8 checkpoint's own bytes (GPUs)
 SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "MTP")
 
 
@@ -56,7 +57,7 @@ class EngineConfig:
     tp_size: int = 1
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    quantization: str = "auto"  # auto | none | int8 | int4 (worker/kernels/quant.py)
+    quantization: str = "auto"  # auto | none | int8 | int4 (worker/kernels/quant.py) | fp8 (worker/model/fp8.py)
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of free memory given to the KV pool when max_total_tokens is None
     block_size: int = 16
@@ -100,8 +101,10 @@ class EngineConfig:
             raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"unknown quantization {self.quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}")
+        if self.quantization not in TARGET_QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; use {', '.join(TARGET_QUANTIZATION_CHOICES)}"
+            )
         if self.spec.draft_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"unknown draft quantization {self.spec.draft_quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}"

@@ -14,25 +14,16 @@ from safetensors.torch import load_file, save_file
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model.files import ModelLoadError, resolve_model
+from worker.model.fp8 import quantize
 from worker.protocol import ForwardPlan
 from worker.runner import ModelRunner
 
 BLOCK = (16, 16)  # the published checkpoints use 128 x 128; 16 gives these small weights several, ragged blocks
 IDS = [5, 17, 400, 9000, 12, 77, 3, 22, 1534, 7, 900, 31, 8, 64, 1000, 2, 44, 45]
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 def _blockwise(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return t.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
-
-
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, float32 scale per block) with each block's largest magnitude at FP8_MAX."""
-    rows, cols = w.shape
-    pad = torch.nn.functional.pad(w.float(), (0, -cols % BLOCK[1], 0, -rows % BLOCK[0]))
-    blocks = pad.view(pad.shape[0] // BLOCK[0], BLOCK[0], pad.shape[1] // BLOCK[1], BLOCK[1])
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    return (w.float() / _blockwise(scale, rows, cols)).to(torch.float8_e4m3fn), scale
 
 
 def _is_quantized(name: str, t: torch.Tensor) -> bool:
@@ -49,7 +40,7 @@ def models(tmp_path_factory, smol_dir) -> dict[str, Path]:
     fp8_state, exact_state = {}, {}
     for name, t in state.items():
         if _is_quantized(name, t):
-            q, scale = _quantize(t)
+            q, scale = quantize(t, BLOCK)
             fp8_state[name], fp8_state[name + "_scale_inv"] = q, scale
             exact_state[name] = q.float() * _blockwise(scale, *t.shape)
         else:
@@ -92,7 +83,7 @@ def test_block_fp8_loads_as_stored_and_within_fp8_tolerance_of_the_float_model(m
         ("model.layers.0.mlp.down_proj.weight", model.layers[0].mlp.down_proj.weight),
     ):
         w = state[name]
-        scale = _blockwise(_quantize(w)[1], *w.shape)
+        scale = _blockwise(quantize(w, BLOCK)[1], *w.shape)
         err = (ours - w).abs()
         assert (err <= 2**-4 * w.abs() + 2**-10 * scale + 1e-7).all() and err.max() > 0
     dense = _logits(models["float"])
@@ -131,3 +122,29 @@ def test_a_missing_scale_is_a_clear_error(models, tmp_path):
     name = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(ModelLoadError, match=rf"has {name} but no {name}_scale_inv"):
         _logits(_corrupt(models, tmp_path, lambda state: state.pop(name + "_scale_inv")))
+
+
+def test_kept_fp8_weights_run_the_triton_gemm_and_match_the_dequantized_load(models, tmp_path):
+    """--quantization fp8 keeps the checkpoint's bytes (here through Triton's interpreter, as on a GPU): the linears
+    hold Fp8Weight shards, kv_b_proj stays dense, and the logits equal the dequantized load's. tp=2 shards at block
+    boundaries and gives the same greedy output; a shard that would split a block is refused with the reason."""
+    from runtime.engine import Engine
+    from worker.kernels.fp8_gemm import Fp8Weight
+    from worker.sampling.params import SamplingParams
+
+    kept = _runner(models["fp8"], quantization="fp8")
+    attn, mlp = kept.model.layers[1].self_attn, kept.model.layers[1].mlp
+    assert isinstance(attn.q_b_proj.qweight, Fp8Weight) and isinstance(mlp.experts[0].gate_up_proj.qweight, Fp8Weight)
+    assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.q_b_proj.weight.numel() == 0
+    plan = ForwardPlan(1, IDS, [(0, len(IDS), list(range(kept.num_blocks)))], list(range(len(IDS))))
+    logits, exact = kept.forward(plan)[0], _logits(models["exact"])
+    assert ((logits - exact).abs().max() / exact.abs().max()).item() <= 1e-4
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    outs = []
+    for folder, quantization, tp in ((models["exact"], "none", 1), (models["fp8"], "fp8", 2)):
+        cfg = EngineConfig(model_path=str(folder), dtype="float32", quantization=quantization, tp_size=tp)
+        with Engine(cfg.replace(max_total_tokens=256)) as eng:
+            outs.append(eng.generate([IDS], greedy)[0].token_ids)
+    assert outs[0] == outs[1]
+    with pytest.raises(Exception, match="cannot shard this checkpoint: expert rows 8 per rank"):
+        Engine(EngineConfig(model_path=str(models["fp8"]), dtype="float32", quantization="fp8", tp_size=4))

@@ -255,3 +255,21 @@ def test_a_checkpoint_without_an_mtp_layer_names_both_options(tmp_path, smol_dir
     (folder / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 0}))
     with pytest.raises(EngineDeadError, match="no multi-token-prediction layer.*--speculative-draft-model-path.*NONE"):
         Engine(_engine_config(folder, spec=_mtp()))
+
+
+def test_prefix_cache_chunked_prefill_and_preemption_keep_the_output(glm_lite):
+    """Four prompts behind one shared preamble, prefilled in chunks of 24 (row-wise and expanded rows mixed), through
+    a pool that holds about two of them, with the MTP layer drafting trees: tp=1 plain greedy output, unchanged."""
+    folder, _ = glm_lite
+    preamble = [31, 41, 59, 26, 53, 58, 97, 93, 23, 84] * 4
+    prompts = [preamble + [100 + i, 7 * i + 3, 900 + i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    with Engine(_engine_config(folder, disable_radix_cache=True)) as eng:
+        reference = [r.token_ids for r in eng.generate(prompts, params)]
+    cfg = _engine_config(folder, spec=_mtp(steps=2, topk=2)).replace(max_total_tokens=144, chunked_prefill_size=24)
+    with Engine(cfg) as eng:
+        first = eng.generate(prompts[:1], params)  # its blocks stay in the prefix cache for the others
+        out = first + eng.generate(prompts[1:], params)
+        stats = eng.stats.values
+    assert [r.token_ids for r in out] == reference
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["num_preemptions"] > 0 and stats["kv_used_tokens"] == 0

@@ -77,3 +77,30 @@ def test_eagle_on_gpu_with_captured_verify_is_lossless(gpu_llama, cpu_reference,
     spec = SpecConfig("EAGLE3", str(head), num_steps=3, eagle_topk=2, num_draft_tokens=6, cost_table="off")
     out, replays = _generate(gpu_llama, device="cuda", dtype="float32", spec=spec)
     assert out == cpu_reference and replays > 0
+
+
+def test_block_fp8_gemm_on_the_gpu_matches_dequantized_float32():
+    import torch
+
+    from worker.kernels.fp8_gemm import Fp8Weight, fp8_linear
+    from worker.model.fp8 import dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 16, 200):
+        w = torch.randn(512, 384, generator=g)
+        codes, scale = quantize(w, (128, 128))
+        x = torch.randn(m, 384, generator=g).bfloat16()
+        out = fp8_linear(x.cuda(), Fp8Weight(codes.cuda(), scale.cuda(), (128, 128))).float().cpu()
+        ref = x.float() @ dequantize("w", codes, scale, (128, 128)).T
+        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+
+
+def test_latent_attention_moe_with_its_mtp_draft_on_the_gpu_matches_the_cpu(tmp_path):
+    """GLM-4.7-Flash's structure in small on the GPU (torch latent attention, eager MoE), drafting with its MTP
+    layer: float32 greedy output equals the CPU's plain greedy output."""
+    from helpers import save_tiny_model
+
+    folder = save_tiny_model(tmp_path, "glm4_moe_lite", heads=8, kv_heads=8, layers=3, seed=5)
+    cpu = _generate(folder, device="cpu", dtype="float32")[0]
+    spec = SpecConfig("EAGLE", None, num_steps=2, eagle_topk=2, num_draft_tokens=6, cost_table="off")
+    assert _generate(folder, device="cuda", dtype="float32", spec=spec)[0] == cpu

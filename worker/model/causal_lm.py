@@ -204,6 +204,7 @@ class CausalLM(nn.Module):
     ):
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.weights_method = "none"  # how the loader stored the linears (worker/model/loader.py)
         self.aux_layers = set(aux_layers)
         self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)

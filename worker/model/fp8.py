@@ -2,14 +2,17 @@
 `weight_block_size: [128, 128]`. Each quantized linear stores `W.weight` in float8_e4m3fn and `W.weight_scale_inv`,
 one float32 per block of rows x columns (ceil(out / 128) x ceil(in / 128)), and `W = weight * scale` block-wise.
 
-They load dequantized to float32 as the checkpoint streams past, before the serving dtype or --quantization's int4/int8
-packing sees them. (An FP8 GEMM that keeps the bytes on GPUs is not built: there the weights serve in bf16/fp16.)
+On GPUs (`--quantization auto` or `fp8`) the linears keep the checkpoint's bytes: each rank's shard of codes and scales
+(`Fp8Tensor` pieces, sliced at block boundaries) is packed into an `Fp8Weight` for the Triton GEMM in
+worker/kernels/fp8_gemm.py. Elsewhere, or where a rank's shard would split a block, they load dequantized to float32
+as the checkpoint streams past, before the serving dtype or --quantization's int4/int8 packing sees them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +40,41 @@ def block_size(hf_config: dict) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
-def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+@dataclass
+class Fp8Tensor:
+    """A block-FP8 checkpoint tensor kept as stored; slices fall on block boundaries so the scales slice with them."""
+
+    codes: torch.Tensor  # [rows, cols] float8_e4m3fn
+    scale: torch.Tensor  # [ceil(rows / block[0]), ceil(cols / block[1])] float32
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def rows(self, sl: slice) -> Fp8Tensor:
+        start, stop = _aligned(sl.start, sl.stop, self.shape[0], self.block[0], "rows")
+        return Fp8Tensor(
+            self.codes[start:stop], self.scale[start // self.block[0] : -(-stop // self.block[0])], self.block
+        )
+
+    def cols(self, start: int, stop: int) -> Fp8Tensor:
+        start, stop = _aligned(start, stop, self.shape[1], self.block[1], "columns")
+        scale = self.scale[:, start // self.block[1] : -(-stop // self.block[1])]
+        return Fp8Tensor(self.codes[:, start:stop], scale, self.block)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize("weight", self.codes, self.scale, self.block)
+
+
+def _aligned(start: int | None, stop: int | None, size: int, block: int, what: str) -> tuple[int, int]:
+    start, stop = start or 0, size if stop is None else min(stop, size)
+    if start % block or (stop % block and stop != size):
+        raise ValueError(f"a shard of {what} {start}:{stop} splits a block-FP8 block of {block}")
+    return start, stop
+
+
+def check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
     rows, cols = weight.shape
     want = (-(-rows // block[0]), -(-cols // block[1]))
     if scale.dim() != 2 or tuple(scale.shape) != want:
@@ -45,15 +82,32 @@ def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tupl
             f"{name}{SCALE_SUFFIX} has shape {tuple(scale.shape)}; {name} of shape {(rows, cols)} in blocks of "
             f"{list(block)} needs {want}"
         )
+
+
+def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    check_scale(name, weight, scale, block)
+    rows, cols = weight.shape
     full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.float() * full
 
 
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 codes, float32 scale per block) with each block's largest magnitude at e4m3's largest finite value:
+    the checkpoints' own scheme, for tests and for making a block-FP8 copy of a float model."""
+    rows, cols = w.shape
+    pad = torch.nn.functional.pad(w.float(), (0, -cols % block[1], 0, -rows % block[0]))
+    tiles = pad.view(pad.shape[0] // block[0], block[0], pad.shape[1] // block[1], block[1])
+    scale = (tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
 def dequantize_stream(
-    tensors: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with each FP8 weight joined to its scale and dequantized to float32; the others pass
-    through. A weight waits for its scale (or the scale for its weight) when the files hold them apart."""
+    tensors: Iterator[tuple[str, torch.Tensor]], block: tuple[int, int], keep: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Fp8Tensor]]:
+    """The checkpoint's tensors with each FP8 weight joined to its scale: dequantized to float32, or kept as an
+    `Fp8Tensor`; the others pass through. A weight waits for its scale (or the scale for its weight) when the files
+    hold them apart."""
     waiting: dict[str, torch.Tensor] = {}
     count = 0
     for name, t in tensors:
@@ -73,9 +127,13 @@ def dequantize_stream(
             yield name, t
             continue
         count += 1
-        yield weight_name, dequantize(weight_name, weight, scale, block)
+        if keep:
+            check_scale(weight_name, weight, scale, block)
+            yield weight_name, Fp8Tensor(weight, scale.float(), block)
+        else:
+            yield weight_name, dequantize(weight_name, weight, scale, block)
     if waiting:
         first = sorted(waiting)[0]
         partner = first.removesuffix(SCALE_SUFFIX) if first.endswith(SCALE_SUFFIX) else first + SCALE_SUFFIX
         raise ModelLoadError(f"block-FP8 checkpoint has {first} but no {partner} ({len(waiting)} unpaired tensors)")
-    logger.info("dequantized %d block-FP8 weights (blocks of %s) at load", count, list(block))
+    logger.info("%s %d block-FP8 weights (blocks of %s)", "kept" if keep else "dequantized", count, list(block))

@@ -11,7 +11,11 @@ from torch import nn
 
 from worker.dist import TPGroup
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels.fp8_gemm import Fp8Weight, fp8_linear
 from worker.kernels.quant import Int4Weight, QBlocks, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
+from worker.model.fp8 import Fp8Tensor
+
+STORED_PIECES = (QTensor, Fp8Tensor)  # checkpoint pieces a linear keeps as the file stores them, packed after loading
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -23,9 +27,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
-    """The module's weight through the fastest kernel it was prepared for: groupwise int4 (quantized), oneDNN's
-    prepacked bfloat16 (CPU: ~2x F.linear, same bits), or F.linear."""
+    """The module's weight through the fastest kernel it was prepared for: groupwise int4 (quantized), block-FP8
+    (Triton), oneDNN's prepacked bfloat16 (CPU: ~2x F.linear, same bits), or F.linear."""
     if mod.qweight is not None:
+        if isinstance(mod.qweight, Fp8Weight):
+            return fp8_linear(x, mod.qweight, mod.bias)
         return int4_linear(x, mod.qweight, mod.bias)
     if mod.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), mod.packed, mod.bias, "none", [], "")
@@ -34,14 +40,14 @@ def linear(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
 
 def _init_linear(mod: nn.Module) -> None:
     mod.packed: torch.Tensor | None = None
-    mod.qweight: QBlocks | Int4Weight | None = None
-    mod.qparts: list[tuple[int, QTensor]] = []  # quantized checkpoint pieces by first row, until quantize_linears
+    mod.qweight: QBlocks | Int4Weight | Fp8Weight | None = None
+    mod.qparts: list[tuple[int, QTensor | Fp8Tensor]] = []  # stored checkpoint pieces by first row, until packed
 
 
 def _store(mod: nn.Module, param: nn.Parameter, offset: int, piece) -> None:
     """Write a checkpoint piece into rows offset.. of param. A quantized piece for a linear is only kept (packed
     later), so the dense parameter is never touched and costs no memory; an embedding table stores it dense too."""
-    if isinstance(piece, QTensor):
+    if isinstance(piece, STORED_PIECES):
         mod.qparts.append((offset, piece))
         if hasattr(mod, "qweight"):
             return
@@ -50,11 +56,11 @@ def _store(mod: nn.Module, param: nn.Parameter, offset: int, piece) -> None:
 
 
 def _rows(w, start: int, stop: int):
-    return w.rows(slice(start, stop)) if isinstance(w, QTensor) else w[start:stop]
+    return w.rows(slice(start, stop)) if isinstance(w, STORED_PIECES) else w[start:stop]
 
 
 def _cols(w, start: int, stop: int):
-    return w.cols(start, stop) if isinstance(w, QTensor) else w[:, start:stop]
+    return w.cols(start, stop) if isinstance(w, STORED_PIECES) else w[:, start:stop]
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
@@ -99,6 +105,31 @@ def quantize_linears(model: nn.Module, bits: int | None, dtype: torch.dtype) -> 
     for mod in model.modules():
         if hasattr(mod, "qparts"):
             mod.qparts = []
+    return n
+
+
+def pack_fp8_linears(model: nn.Module, device: torch.device) -> int:
+    """Give each linear whose checkpoint pieces are block-FP8 its `Fp8Weight` on `device`, before the model moves there
+    (the dense placeholders are dropped, never copied). Pieces that cannot stack (a fused weight whose first part
+    ends inside a block) load dense instead. Returns how many linears keep FP8."""
+    n = 0
+    for mod in list(model.modules()):
+        parts = sorted(getattr(mod, "qparts", ()), key=lambda p: p[0])
+        if not parts or not all(isinstance(p, Fp8Tensor) for _, p in parts):
+            continue
+        mod.qparts = []
+        block = parts[0][1].block
+        if (
+            any(p.shape[0] % block[0] for _, p in parts[:-1])
+            or sum(p.shape[0] for _, p in parts) != mod.weight.shape[0]
+        ):
+            for offset, p in parts:
+                mod.weight.data[offset : offset + p.shape[0]].copy_(p.dequantize())
+            continue
+        codes = torch.cat([p.codes for _, p in parts]).to(device)
+        mod.qweight = Fp8Weight(codes, torch.cat([p.scale for _, p in parts]).to(device), block)
+        mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
+        n += 1
     return n
 
 

@@ -21,6 +21,7 @@ from worker.dist import TPGroup
 from worker.kernels.quant import QTensor
 from worker.model.attention import ROW_WISE_MAX_Q, AttentionMetadata, _row_gather
 from worker.model.config import ModelConfig
+from worker.model.fp8 import Fp8Tensor
 from worker.model.layers import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -54,7 +55,9 @@ class LatentUpProjection(nn.Module):
         _check_shape("kv_b_proj", w.shape, (self.cfg.num_heads * self.per_head, self.cfg.kv_lora_rank))
         n = self.heads * self.per_head
         mine = slice(self.tp.rank * n, (self.tp.rank + 1) * n)
-        param.data.copy_(w.rows(mine).dequantize() if isinstance(w, QTensor) else w[mine])
+        if isinstance(w, (QTensor, Fp8Tensor)):  # read per head: kept dense (a head's rows may split a block)
+            w = w.dequantize()
+        param.data.copy_(w[mine])
 
     def split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [heads, qk_nope, kv_lora], W_UV [heads, v, kv_lora])."""

@@ -166,7 +166,7 @@ def iter_checkpoint(
         return tensors if only is None else ((n, w) for n, w in tensors if only(n))
     tensors = iter_safetensors(source.path, show_progress, only)
     if cfg.fp8_block is not None:
-        tensors = fp8.dequantize_stream(tensors, cfg.fp8_block)
+        tensors = fp8.dequantize_stream(tensors, cfg.fp8_block, keep=method == "fp8")
     bits = METHOD_BITS.get(method)
     if bits is None:
         return tensors
