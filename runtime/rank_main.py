@@ -26,6 +26,7 @@ from worker.runner import ModelRunner
 from .agreement import StartupMismatchError, agree
 
 HEARTBEAT_S = 1.0  # an idle leader broadcasts this often so followers' collectives never time out
+GRAMMAR_POLL_MS = 5  # how often an idle leader looks for a finished grammar compile
 
 
 def pick_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -137,7 +138,8 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox) -> None:
     last_broadcast = time.monotonic()
     stopping = False
     while True:
-        timeout_ms = 0 if leader.has_work() else int(HEARTBEAT_S * 1000)
+        idle_ms = GRAMMAR_POLL_MS if leader.waiting_on_grammars() else int(HEARTBEAT_S * 1000)
+        timeout_ms = 0 if leader.has_work() else idle_ms
         if inbox.poll(timeout_ms):
             while True:
                 try:
@@ -150,6 +152,7 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox) -> None:
                     leader.handle(msg)
         if stopping:
             break
+        leader.admit_compiled()
         stepped = leader.has_work()
         if stepped:
             leader.step()

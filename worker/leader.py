@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -25,7 +26,8 @@ from worker.protocol import (
     StepReport,
 )
 from worker.runner import ModelRunner
-from worker.sampling.grammar import Grammars
+from worker.sampling.grammar import matcher
+from worker.sampling.grammar_process import CompileResult, GrammarCompiler
 from worker.sampling.logits import filter_probs, prepare_logits, sample_from_probs, top_logprobs
 from worker.scheduler import BlockPool, ScheduledSeq, Scheduler, Sequence
 from worker.stats import EngineSnapshot, StepMetrics
@@ -57,9 +59,12 @@ class Leader:
         self.step_metrics = StepMetrics()
         self.snapshot_sent = float("-inf")  # time.monotonic() of the last report that carried a snapshot
         self.eos_ids = tuple(self.model_cfg.eos_token_ids)
-        self.grammars = Grammars(
-            lambda: load_tokenizer(runner.source, config.tokenizer_path), self.model_cfg.vocab_size, self.eos_ids
+        self.grammars = GrammarCompiler(
+            functools.partial(load_tokenizer, runner.source, config.tokenizer_path),
+            self.model_cfg.vocab_size,
+            self.eos_ids,
         )
+        self.compiling: dict[str, tuple[AddRequest, torch.Generator]] = {}  # requests whose grammar compiles
 
     @property
     def reserve(self) -> int:
@@ -76,6 +81,10 @@ class Leader:
             if seq is not None:
                 self.scheduler.finish(seq, "abort")
                 self._report(seq)
+            elif msg.request_id in self.compiling:
+                req, _ = self.compiling.pop(msg.request_id)
+                self.grammars.cancel(msg.request_id)
+                self.outputs.append(RequestOutput(req.request_id, [], None, "abort", len(req.prompt_ids), 0))
 
     def _add(self, req: AddRequest) -> None:
         n = len(req.prompt_ids)
@@ -99,26 +108,50 @@ class Leader:
             req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
         )
         gen.manual_seed(seed)
-        seq = Sequence(self.next_seq_id, req.request_id, list(req.prompt_ids), n, req.params, gen)
-        if req.params.grammar is not None:
-            try:
-                seq.grammar = self.grammars.matcher(req.params.grammar)
-            except Exception as e:  # noqa: BLE001 - the front end checked the syntax; the vocabulary can still refuse
-                self.outputs.append(
-                    RequestOutput(
-                        req.request_id,
-                        [],
-                        None,
-                        "error",
-                        n,
-                        0,
-                        error=f"the grammar cannot be compiled: {e}",
-                        error_code=ERROR_INVALID_GRAMMAR,
-                    )
-                )
-                return
+        if req.params.grammar is None:
+            self._enqueue(req, gen, None)
+            return
+        cached = self.grammars.submit(req.request_id, req.params.grammar)
+        if cached is not None:
+            self._compiled(cached, req, gen)
+        else:
+            self.compiling[req.request_id] = (req, gen)
+
+    def _enqueue(self, req: AddRequest, gen: torch.Generator, grammar) -> None:
+        seq = Sequence(self.next_seq_id, req.request_id, list(req.prompt_ids), len(req.prompt_ids), req.params, gen)
+        seq.grammar = grammar
         self.next_seq_id += 1
         self.scheduler.add(seq)
+
+    def _compiled(self, result: CompileResult, req: AddRequest, gen: torch.Generator) -> None:
+        if result.compiled is not None:
+            self._enqueue(req, gen, matcher(result.compiled, self.model_cfg.vocab_size))
+            return
+        self.outputs.append(
+            RequestOutput(
+                req.request_id,
+                [],
+                None,
+                "error",
+                len(req.prompt_ids),
+                0,
+                error=f"the grammar cannot be compiled: {result.error}",
+                error_code=ERROR_INVALID_GRAMMAR,
+            )
+        )
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler (or fail with the compiler's reason); the
+        step loop calls this between steps and never waits on a compile."""
+        if not self.grammars.busy:
+            return
+        for result in self.grammars.poll():
+            entry = self.compiling.pop(result.request_id, None)
+            if entry is not None:
+                self._compiled(result, *entry)
+
+    def waiting_on_grammars(self) -> bool:
+        return bool(self.compiling)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -242,6 +275,14 @@ class Leader:
         )
 
     def fail_all(self, message: str) -> None:
+        for req, _ in self.compiling.values():
+            self.outputs.append(
+                RequestOutput(
+                    req.request_id, [], None, "error", len(req.prompt_ids), 0, error=message, error_code=ERROR_ENGINE
+                )
+            )
+        self.compiling.clear()
+        self.grammars.close()
         for seq in list(self.scheduler.by_request.values()):
             self.scheduler.finish(seq, "error")
             self.outputs.append(

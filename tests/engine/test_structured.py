@@ -173,3 +173,87 @@ def test_bad_grammars_are_refused_before_rank_0(spec):
     with pytest.raises(InvalidGrammarError) as e:
         check_grammar(spec)
     assert e.value.param == spec.param and str(e.value).startswith(("invalid", "unknown"))
+
+
+# 600 properties, each with its own bounded pattern: within every limit, and about 10 s of compiling on one core
+SLOW_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 9}}}x{i}"} for i in range(600)},
+}
+SLOW = GrammarSpec("json_schema", json.dumps(SLOW_SCHEMA | {"required": list(SLOW_SCHEMA["properties"])}))
+
+
+def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_stepping(smol_dir):
+    """tp=3: rank 0 compiles grammars in a child process; a compile past COMPILE_TIMEOUT_S is killed and its request
+    fails with the limit named, while plain requests step meanwhile; the next grammar gets a fresh child."""
+    import queue
+    import time
+
+    from runtime.engine import _Sink
+    from worker.protocol import ERROR_INVALID_GRAMMAR
+    from worker.sampling.grammar_process import COMPILE_TIMEOUT_S
+
+    check_grammar(SLOW)  # the front end lets it through
+    with Engine(EngineConfig(tp_size=3, dtype="float32", max_total_tokens=4096)) as eng:
+        prompt = eng.encode("Tell me a story about a fox.")
+        greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+        reference = eng.generate([prompt], greedy)[0].token_ids
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        reqs = [("slow", prompt, SamplingParams(max_new_tokens=8, grammar=SLOW))]
+        reqs += [(f"plain{i}", prompt, greedy) for i in range(2)]
+        t0 = time.monotonic()
+        eng.submit(
+            reqs, [_Sink(lambda out, rid=rid: events.put((rid, time.monotonic() - t0, out))) for rid, _, _ in reqs]
+        )
+        finished, tokens, first_token = {}, {"plain0": [], "plain1": []}, {}
+        while len(finished) < 3:
+            rid, t, out = events.get(timeout=120)
+            if out.token_ids:
+                first_token.setdefault(rid, t)
+                tokens[rid] += out.token_ids
+            if out.finish_reason is not None:
+                finished[rid] = (t, out)
+        t_slow, slow = finished["slow"]
+        assert slow.finish_reason == "error" and slow.error_code == ERROR_INVALID_GRAMMAR
+        assert f"compiling took longer than the limit of {COMPILE_TIMEOUT_S:g} s" in slow.error
+        assert COMPILE_TIMEOUT_S <= t_slow < COMPILE_TIMEOUT_S + 60
+        assert all(first_token[r] < t_slow for r in ("plain0", "plain1"))  # they stepped while it compiled
+        assert tokens["plain0"] == tokens["plain1"] == reference
+        after = eng.generate([prompt], SamplingParams(max_new_tokens=8, grammar=GrammarSpec("json_object")))
+        assert after[0].text.startswith("{")
+        assert eng.is_alive and eng.stats.values["rank_divergences"] == 0
+
+
+def test_a_crashing_compile_takes_only_the_child(smol_dir):
+    """A native crash in xgrammar (killed here by SIGKILL mid-compile) fails that grammar alone; the next compiles."""
+    import functools
+    import os
+    import signal
+    import time
+
+    from worker.model.files import resolve_model
+    from worker.model.tokenizer import load_tokenizer
+    from worker.sampling.grammar_process import GrammarCompiler
+
+    compiler = GrammarCompiler(functools.partial(load_tokenizer, resolve_model("smollm2-135m-instruct")), 49152, (2,))
+    try:
+        assert compiler.submit("a", SLOW) is None
+        deadline = time.monotonic() + 60
+        while compiler._in_flight is None and time.monotonic() < deadline:  # the child starts, then compiles
+            assert compiler.poll() == []
+            time.sleep(0.05)
+        os.kill(compiler.pid, signal.SIGKILL)
+        results = []
+        while not results and time.monotonic() < deadline:
+            results = compiler.poll()
+            time.sleep(0.05)
+        assert [(r.request_id, r.compiled, r.error) for r in results] == [
+            ("a", None, "the grammar compiler crashed on this grammar")
+        ]
+        assert compiler.submit("b", GrammarSpec("json_object")) is None
+        while not (results := compiler.poll()) and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+        assert results[0].request_id == "b" and results[0].compiled is not None and compiler.restarts == 1
+        assert compiler.submit("c", GrammarSpec("json_object")).compiled is results[0].compiled  # the LRU
+    finally:
+        compiler.close()

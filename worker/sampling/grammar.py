@@ -122,7 +122,7 @@ def check_grammar(spec: GrammarSpec) -> None:
     if spec.kind == "json_schema":
         _check_schema(spec)
     try:
-        _grammar(spec)
+        build_grammar(spec)
     except Exception as e:  # xgrammar raises RuntimeError with the parser's message
         raise InvalidGrammarError(spec.param, f"invalid {spec.kind}: {_first_line(e)}") from e
 
@@ -143,7 +143,7 @@ def _first_line(e: Exception) -> str:
     return re.sub(r"^(\[[^\]]*\]\s*)?\S+\.cc:\d+:\s*", "", text)  # drop xgrammar's "[time] file.cc:line:" prefix
 
 
-def _grammar(spec: GrammarSpec):
+def build_grammar(spec: GrammarSpec):
     import xgrammar as xgr
 
     if spec.kind == "json_object":  # any object, compact
@@ -155,27 +155,11 @@ def _grammar(spec: GrammarSpec):
     return xgr.Grammar.from_ebnf(spec.source)
 
 
-class Grammars:
-    """Rank 0's compiler: one per engine, built on first use (importing xgrammar takes seconds)."""
+def matcher(compiled, vocab_size: int) -> Matcher:
+    """A fresh grammar state for one sequence over a compiled grammar (worker/sampling/grammar_process.py)."""
+    import xgrammar as xgr
 
-    def __init__(self, tokenizer_loader, vocab_size: int, stop_ids: tuple[int, ...]):
-        self._load_tokenizer, self.vocab_size, self.stop_ids = tokenizer_loader, vocab_size, stop_ids
-        self._compiler = None
-        self._compiled: dict[GrammarSpec, object] = {}  # repeated schemas (every call of one tool) compile once
-
-    def matcher(self, spec: GrammarSpec) -> Matcher:
-        import xgrammar as xgr
-
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(self.stop_ids)
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        compiled = self._compiled.pop(spec, None) or self._compiler.compile_grammar(_grammar(spec))
-        self._compiled[spec] = compiled  # most recently used last
-        if len(self._compiled) > 256:
-            del self._compiled[next(iter(self._compiled))]
-        return Matcher(xgr.GrammarMatcher(compiled), self.vocab_size)
+    return Matcher(xgr.GrammarMatcher(compiled), vocab_size)
 
 
 @dataclass
