@@ -300,3 +300,44 @@ def test_the_detokenizer_keeps_a_parsers_special_tags(smol_dir):
     kept = IncrementalDetokenizer(tok, keep=keep)
     assert "".join(kept.add([i]) for i in ids) + kept.finish() == 'Hi<tool_call>{"name": "x"}</tool_call>'
     assert kept_token_ids(tok, Parsers("glm45").markers()) == frozenset()  # not tokens of this tokenizer
+
+
+def test_a_grammar_without_a_reasoning_block_starts_the_output_outside_one(smol_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from server.generation import chat_setup
+    from server.parsers.reasoning import ThinkParser
+    from server.schemas import ChatCompletionRequest
+
+    engine = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(smol_dir / "tokenizer")))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS["get_weather"]}}]
+
+    def setup(parsers, **body):
+        req = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body
+        )
+        return chat_setup(engine, req, parsers)
+
+    r1 = Parsers("deepseek-r1", "deepseekv3")
+    assert setup(r1).make_parser().parse("Hmm.</think>Hi.") == Delta("Hmm.", "Hi.")
+    as_json = setup(r1, response_format={"type": "json_object"})  # JSON from the first token: no reasoning
+    assert as_json.make_parser().parse('{"a": 1}') == Delta(content='{"a": 1}')
+    forced = setup(r1, tools=tools, tool_choice="required")  # the call's grammar closes the reasoning first
+    assert forced.grammar.kind == "ebnf" and _accepts(forced.grammar.source, "Hmm.</think>" + _R1_CALL)
+    assert _norm(forced.make_parser().parse("Hmm.</think>" + _R1_CALL)) == (
+        "Hmm.",
+        "",
+        [("get_weather", {"city": "Rome"})],
+    )
+    builtin = setup(Parsers("deepseek-r1"), tools=tools, tool_choice="required")  # bare JSON: no reasoning
+    assert _norm(builtin.make_parser().parse('{"name": "get_weather", "arguments": {"city": "Rome"}}')) == (
+        "",
+        "",
+        [("get_weather", {"city": "Rome"})],
+    )
+    assert ThinkParser(True).parse("<think>\nechoed start tag\n</think>\n\nAnswer") == ("echoed start tag", "Answer")
+
+
+_R1_CALL = TOOL_CALL_PARSERS["deepseekv3"].render("get_weather", {"city": "Rome"})
