@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -15,19 +16,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from runtime.engine import Engine
 
+from .chat_output import chat_deltas, chat_message, finish_reason, parse_whole, reasoning_tokens
 from .errors import APIError, error_body, error_response, install_error_handlers
 from .generation import (
+    ChatSetup,
     ChoiceEvent,
     ChoiceSet,
-    chat_prompt_ids,
+    chat_setup,
     completion_prompts,
     request_grammar,
     sampling_params,
 )
 from .metrics import Metrics
+from .parsers.registry import Parsers
 from .responses import ResponseBuilder, ResponsesRequest, to_chat
+from .responses_stream import responses_stream
 from .schemas import ChatCompletionRequest, CompletionRequest, new_id, now
-from .tools import call_grammar, held_back, parse_calls, tool_mode
 
 log = logging.getLogger("eaglegate.api")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -40,6 +44,7 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     stall_timeout: float = 60.0
+    parsers: Parsers = Parsers()  # --reasoning-parser, --tool-call-parser
 
 
 class GuardMiddleware:
@@ -197,21 +202,18 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         engine = live_engine()
-        mode = tool_mode(req)
-        prompt = chat_prompt_ids(engine, req, mode)
-        grammar = request_grammar(req, call_grammar(req, mode))
+        setup = chat_setup(engine, req, settings.parsers)
+        prompt = setup.prompt
         max_tokens = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [sampling_params(engine, req, len(prompt), max_tokens, k, i, grammar) for i in range(req.n)]
+        params = [sampling_params(engine, req, len(prompt), max_tokens, k, i, setup.grammar) for i in range(req.n)]
         rid = new_id("chatcmpl")
-        choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop)
+        choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop, setup.keep)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_stream(engine, req, rid, choices, include_usage, len(prompt), mode))
+            return _sse(_chat_stream(engine, req, rid, choices, include_usage, setup))
         return await _collect(
-            raw,
-            choices,
-            lambda evs: _chat_response(engine, req, rid, evs, len(prompt), mode, choices.cached_tokens(req.n)),
+            raw, choices, lambda evs: _chat_response(engine, req, rid, evs, setup, choices.cached_tokens(req.n))
         )
 
     @app.post("/v1/responses")
@@ -219,21 +221,20 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         check_model(req.model)
         chat = to_chat(req)
         engine = live_engine()
-        mode = tool_mode(chat)
-        prompt = chat_prompt_ids(engine, chat, mode)
-        grammar = request_grammar(chat, call_grammar(chat, mode))
-        params = [sampling_params(engine, chat, len(prompt), chat.max_completion_tokens, None, 0, grammar)]
+        setup = chat_setup(engine, chat, settings.parsers)
+        prompt = setup.prompt
+        params = [sampling_params(engine, chat, len(prompt), chat.max_completion_tokens, None, 0, setup.grammar)]
         build = ResponseBuilder(req)
-        choices = ChoiceSet(engine, metrics, build.id, [prompt], params, [])
+        choices = ChoiceSet(engine, metrics, build.id, [prompt], params, [], setup.keep)
+        count = functools.partial(reasoning_tokens, engine.tokenizer)
         if req.stream:
-            return _sse(_responses_stream(build, chat, choices, len(prompt), mode), events=True)
+            return _sse(responses_stream(build, choices, len(prompt), setup.make_parser(), count), events=True)
 
         def body(events):
             text, _, finish, n = _merge(events[0])
-            content, calls = parse_calls(text, mode, chat)
-            return build.response(
-                "completed", build.items(content, calls), finish, (len(prompt), n), choices.cached_tokens(1)
-            )
+            d = parse_whole(text, setup.make_parser())
+            usage = (len(prompt), n, count(d.reasoning))
+            return build.response("completed", build.items(d), finish, usage, choices.cached_tokens(1))
 
         return await _collect(raw, choices, body)
 
@@ -287,13 +288,17 @@ async def _collect(raw: Request, choices: ChoiceSet, build) -> JSONResponse:
     return JSONResponse(build(events))
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning: int | None = None) -> dict:
+    """`reasoning`: reasoning tokens, where a reasoning parser is set."""
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
 
 
 def _token_str(engine: Engine, token_id: int) -> str:
@@ -335,22 +340,19 @@ def _merge(evs: list[ChoiceEvent]) -> tuple[str, list | None, str, int]:
     return text, lps, evs[-1].finish_reason or "stop", evs[-1].completion_tokens
 
 
-def _chat_response(engine, req, rid, events, prompt_tokens, mode, cached) -> dict:
-    choices, completion = [], 0
+def _chat_response(engine, req, rid, events, setup: ChatSetup, cached) -> dict:
+    choices, completion, reasoning = [], 0, 0
     for i in sorted(events):
         text, lps, finish, n = _merge(events[i])
         completion += n
-        message = {"role": "assistant", "content": text}
-        content, calls = parse_calls(text, mode, req)
-        if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
-            finish = "tool_calls" if finish == "stop" else finish
+        d = parse_whole(text, setup.make_parser())
+        reasoning += reasoning_tokens(engine.tokenizer, d.reasoning)
         choices.append(
             {
                 "index": i,
-                "message": message,
+                "message": chat_message(d, setup.reasoning),
                 "logprobs": _chat_logprobs(engine, lps if req.logprobs else None),
-                "finish_reason": finish,
+                "finish_reason": finish_reason(finish, bool(d.calls)),
             }
         )
     return {
@@ -359,7 +361,7 @@ def _chat_response(engine, req, rid, events, prompt_tokens, mode, cached) -> dic
         "created": now(),
         "model": req.model,
         "choices": choices,
-        "usage": _usage(prompt_tokens, completion, cached),
+        "usage": _usage(len(setup.prompt), completion, cached, reasoning if setup.reasoning else None),
     }
 
 
@@ -414,9 +416,9 @@ def _sse(chunks: AsyncIterator[dict], events: bool = False) -> StreamingResponse
     )
 
 
-async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, prompt_tokens: int, mode: str):
-    """Content streams as it comes; with tools, text that may be a call is held until it parses (auto mode), and
-    forced calls are sent whole at the end as OpenAI's tool_calls deltas."""
+async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool, setup: ChatSetup):
+    """Content streams as it comes. With a parser, each choice's output goes through it: reasoning and content stream
+    as they become final, and each call is sent as OpenAI's tool_calls deltas once it is whole."""
     created = now()
 
     def chunk(choice_list, usage=None) -> dict:
@@ -441,44 +443,32 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
         ]
     )
     completion: dict[int, int] = {}
-    text: dict[int, str] = {}
-    sent: dict[int, int] = {}
+    parsers = {i: setup.make_parser() for i in range(req.n)}
+    calls = dict.fromkeys(range(req.n), 0)
+    reasoning = dict.fromkeys(range(req.n), "")
     async for ev in choices.events():
         i = ev.index
         completion[i] = ev.completion_tokens
         lps = _chat_logprobs(engine, ev.logprobs) if req.logprobs and ev.logprobs else None
-        if mode == "none":
+        if parsers[i] is None:
             if ev.text or ev.finish_reason or lps:
                 yield delta(i, {"content": ev.text} if ev.text else {}, ev.finish_reason, lps)
             continue
-        full = text[i] = text.get(i, "") + ev.text
-        if mode == "auto":  # send what cannot be the start of a call
-            upto = len(full) - held_back(full[sent.get(i, 0) :])
-            if upto > sent.get(i, 0):
-                yield delta(i, {"content": full[sent.get(i, 0) : upto]}, None, lps)
-                sent[i] = upto
-        if ev.finish_reason is None:
-            continue
-        rest = full[sent.get(i, 0) :]
-        content, calls = parse_calls(rest if mode == "auto" else full, mode, req)
-        finish = ev.finish_reason
-        if content:
-            yield delta(i, {"content": content})
-        for k, c in enumerate(calls):
-            yield delta(
-                i,
-                {
-                    "tool_calls": [
-                        {"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
-                    ]
-                },
-            )
-            yield delta(i, {"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]})
-        if calls and finish == "stop":
-            finish = "tool_calls"
-        yield delta(i, {}, finish)
+        d = parsers[i].feed(ev.text)
+        if ev.finish_reason is not None:
+            d += parsers[i].finish()
+        reasoning[i] += d.reasoning
+        pieces = chat_deltas(d, calls[i])
+        calls[i] += len(d.calls)
+        if lps and not pieces:
+            pieces = [{}]
+        for k, piece in enumerate(pieces):
+            yield delta(i, piece, None, lps if k == 0 else None)
+        if ev.finish_reason is not None:
+            yield delta(i, {}, finish_reason(ev.finish_reason, calls[i] > 0))
     if include_usage:
-        yield chunk([], _usage(prompt_tokens, sum(completion.values()), choices.cached_tokens(req.n)))
+        count = sum(reasoning_tokens(engine.tokenizer, r) for r in reasoning.values()) if setup.reasoning else None
+        yield chunk([], _usage(len(setup.prompt), sum(completion.values()), choices.cached_tokens(req.n), count))
 
 
 async def _completion_stream(
@@ -506,70 +496,3 @@ async def _completion_stream(
             yield chunk([{"index": ev.index, "text": text, "logprobs": lps, "finish_reason": ev.finish_reason}])
     if include_usage:
         yield chunk([], _usage(prompt_tokens, sum(completion.values()), choices.cached_tokens(req.n)))
-
-
-async def _responses_stream(build: ResponseBuilder, chat, choices: ChoiceSet, prompt_tokens: int, mode: str):
-    """The Responses API's events. Text streams as it comes; with tools the output is parsed whole at the end."""
-    seq = iter(range(1 << 30))
-
-    def event(kind: str, **fields) -> dict:
-        return {"type": kind, "sequence_number": next(seq), **fields}
-
-    yield event("response.created", response=build.response("in_progress", []))
-    yield event("response.in_progress", response=build.response("in_progress", []))
-    text, finish, completion, opened = "", None, 0, False
-    item = {"item_id": build.message_id, "output_index": 0, "content_index": 0}
-
-    def open_message():
-        yield event("response.output_item.added", output_index=0, item=build.message_item("", "in_progress"))
-        yield event(
-            "response.content_part.added",
-            item_id=build.message_id,
-            output_index=0,
-            content_index=0,
-            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-        )
-
-    async for ev in choices.events():
-        completion, finish = ev.completion_tokens, ev.finish_reason or finish
-        text += ev.text
-        if mode == "none" and ev.text:
-            if not opened:
-                opened = True
-                for e in open_message():
-                    yield e
-            yield event("response.output_text.delta", **item, delta=ev.text, logprobs=[])
-    content, calls = parse_calls(text, mode, chat)
-    if content and not opened:
-        opened = True
-        for e in open_message():
-            yield e
-        yield event("response.output_text.delta", **item, delta=content, logprobs=[])
-    output = []
-    if opened:
-        done = build.message_item(content or "")
-        yield event("response.output_text.done", **item, text=content or "", logprobs=[])
-        yield event(
-            "response.content_part.done",
-            item_id=build.message_id,
-            output_index=0,
-            content_index=0,
-            part=done["content"][0],
-        )
-        yield event("response.output_item.done", output_index=0, item=done)
-        output.append(done)
-    for call in calls:
-        k = len(output)
-        added = build.call_item(call, arguments="", status="in_progress")
-        yield event("response.output_item.added", output_index=k, item=added)
-        yield event("response.function_call_arguments.delta", item_id=added["id"], output_index=k, delta=call.arguments)
-        yield event(
-            "response.function_call_arguments.done", item_id=added["id"], output_index=k, arguments=call.arguments
-        )
-        output.append(build.call_item(call))
-        yield event("response.output_item.done", output_index=k, item=output[-1])
-    # status says "incomplete" when max_output_tokens cut it; the SDK's stream helper waits for this event either way
-    yield event(
-        "response.completed",
-        response=build.response("completed", output, finish, (prompt_tokens, completion), choices.cached_tokens(1)),
-    )

@@ -18,6 +18,8 @@ from worker.config import (
     EngineConfig,
 )
 
+from .parsers.registry import REASONING_PARSERS, TOOL_CALL_PARSERS, Parsers
+
 log = logging.getLogger("eaglegate")
 
 
@@ -226,6 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stall_timeout=args.stall_timeout,
         log_level=args.log_level,
         restart_workers=not args.no_restart_workers,
+        parsers=Parsers(args.reasoning_parser, args.tool_call_parser),
     )
 
 
@@ -292,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="/health turns 503 when work is pending and no step completed for this long",
     )
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="put the model's <think> block in reasoning_content (and Responses reasoning items)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="read tool calls in this model's format, and force calls (tool_choice required or named) in it "
+        "(default: <tool_call>{json}</tool_call>, forced calls as bare JSON)",
+    )
     serve.add_argument(
         "--no-restart-workers",
         action="store_true",

@@ -1,4 +1,8 @@
-"""Incremental detokenization: never emits half a UTF-8 character, never emits any part of a stop string."""
+"""Incremental detokenization: never emits half a UTF-8 character, never emits any part of a stop string.
+
+Special tokens are left out of the text, except those in `keep`: an output parser's tags, which some tokenizers mark
+special (a GLM or DeepSeek tool-call tag would otherwise vanish before the parser sees it).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from dataclasses import dataclass, field
 class IncrementalDetokenizer:
     tokenizer: object
     stop: list[str] = field(default_factory=list)
+    keep: frozenset[int] = frozenset()
     ids: list[int] = field(default_factory=list)
     text: str = ""  # all text decoded so far (up to the last complete character)
     emitted: int = 0  # characters of `text` already handed out
@@ -16,8 +21,14 @@ class IncrementalDetokenizer:
     read_offset: int = 0
     stopped: bool = False
 
+    def __post_init__(self):
+        self._skip = special_token_ids(self.tokenizer) - self.keep if self.keep else None
+
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if self._skip is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        ids = [i for i in ids if i not in self._skip]
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def add(self, new_ids: list[int]) -> str:
         """Feed tokens; returns the text that is now safe to emit (possibly empty)."""
@@ -57,3 +68,18 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Every token `skip_special_tokens` leaves out: the named special tokens and the added tokens marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def kept_token_ids(tokenizer, markers: tuple[str, ...]) -> frozenset[int]:
+    """The ids of `markers` that the tokenizer has as special tokens of their own (the detokenizer keeps them)."""
+    if not markers:
+        return frozenset()
+    vocab = tokenizer.get_added_vocab()
+    special = special_token_ids(tokenizer)
+    return frozenset(vocab[m] for m in markers if m in vocab and vocab[m] in special)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from runtime.engine import AsyncRequest, Engine, EngineBusyError, EngineDeadError
@@ -19,11 +19,13 @@ from worker.sampling.params import (
     TokenLogprobs,
 )
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, kept_token_ids
 from .errors import APIError
 from .metrics import Metrics
+from .parsers.base import BlockCalls
+from .parsers.registry import OutputParser, Parsers
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .tools import render_messages, template_knows_tools
+from .tools import call_grammar, render_messages, template_knows_tools, tool_mode, tool_schemas
 
 
 @dataclass
@@ -53,13 +55,41 @@ class ChoiceState:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-def chat_prompt_ids(engine: Engine, req: ChatCompletionRequest, tool_mode: str = "none") -> list[int]:
-    messages, tools = render_messages(req, tool_mode, template_knows_tools(engine.tokenizer))
+def chat_prompt(
+    engine: Engine, req: ChatCompletionRequest, tool_mode: str = "none", fmt: type[BlockCalls] | None = None
+) -> tuple[list[int], str]:
+    """The prompt's token ids and text (whose end says whether the template opened a reasoning block)."""
+    messages, tools = render_messages(req, tool_mode, template_knows_tools(engine.tokenizer), fmt)
     try:
         text = engine.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template may reject a role order; that is the client's request
         raise APIError(400, f"messages cannot be rendered by the model's chat template: {e}", param="messages") from e
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.tokenizer.encode(text, add_special_tokens=False), text
+
+
+@dataclass
+class ChatSetup:
+    """A chat request made ready for the engine, with how its output is read back."""
+
+    prompt: list[int]
+    grammar: GrammarSpec | None
+    make_parser: Callable[[], OutputParser | None]  # one per choice; None: the output is all content
+    keep: frozenset[int]  # special tokens the detokenizer keeps (the parsers' tags)
+    reasoning: bool  # a reasoning parser is set: responses carry reasoning fields
+
+
+def chat_setup(engine: Engine, req: ChatCompletionRequest, parsers: Parsers) -> ChatSetup:
+    mode = tool_mode(req)
+    fmt = parsers.format
+    prompt, text = chat_prompt(engine, req, mode, fmt)
+    opens = parsers.opens_reasoning(text)
+    calls = call_grammar(req, mode, fmt, opens)
+    grammar = request_grammar(req, calls)
+    if grammar is not None and (grammar is not calls or fmt is None):
+        opens = False  # a grammar without a reasoning block holds the output from its first token
+    schemas = tool_schemas(req)
+    keep = kept_token_ids(engine.tokenizer, parsers.markers())
+    return ChatSetup(prompt, grammar, lambda: parsers.for_request(mode, schemas, opens), keep, bool(parsers.reasoning))
 
 
 def completion_prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
@@ -188,7 +218,9 @@ class ChoiceSet:
         prompts: list[list[int]],
         params: list[SamplingParams],
         stop: list[str],
+        keep: frozenset[int] = frozenset(),
     ):
+        """`keep`: special tokens the detokenizer keeps in the text (an output parser's tags)."""
         self.engine, self.metrics = engine, metrics
         reqs = [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         try:
@@ -201,7 +233,7 @@ class ChoiceSet:
             raise APIError(400, str(e), param=e.param) from e
         now = time.monotonic()
         self.choices = [
-            ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop), len(ids), now)
+            ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop, keep), len(ids), now)
             for i, (h, ids) in enumerate(zip(handles, prompts))
         ]
 

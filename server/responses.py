@@ -1,8 +1,8 @@
 """OpenAI's Responses API, stateless: a request becomes a chat request, and its output becomes response items.
 
 Supports string or message-item input (with function-call items), `instructions`, `max_output_tokens`, sampling,
-function tools, `text.format` and streaming. Nothing is stored, so `previous_response_id` and `background` are
-refused with a 400 that says so.
+function tools, `text.format`, SGLang's `regex` and `ebnf`, and streaming; with a reasoning parser, reasoning is an
+item of its own. Nothing is stored, so `previous_response_id` and `background` are refused with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
 
 from .errors import APIError
+from .parsers.base import Delta, ParsedCall
 from .schemas import ChatCompletionRequest, _Lenient, _Strict, now
-from .tools import ParsedCall
 
 
 class ResponseTool(_Lenient):
@@ -93,6 +93,8 @@ class ResponsesRequest(_Strict):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    regex: str | None = None  # SGLang's extras, as on chat completions
+    ebnf: str | None = None
     stream: bool = False
     previous_response_id: str | None = None
     background: bool | None = None
@@ -143,6 +145,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": req.temperature,
         "top_p": req.top_p,
         "parallel_tool_calls": req.parallel_tool_calls,
+        "regex": req.regex,
+        "ebnf": req.ebnf,
     }
     if req.tools:
         body["tools"] = [
@@ -193,10 +197,15 @@ class ResponseBuilder:
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created_at: int = field(default_factory=now)
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
     def message_item(self, text: str, status: str = "completed") -> dict:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status else []
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict:
+        content = [{"type": "reasoning_text", "text": text}]
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
     @staticmethod
     def call_item(call: ParsedCall, arguments: str | None = None, status: str = "completed") -> dict:
@@ -209,18 +218,21 @@ class ResponseBuilder:
             "status": status,
         }
 
-    def items(self, content: str | None, calls: list[ParsedCall]) -> list[dict]:
-        out = [self.message_item(content)] if content else []
-        return out + [self.call_item(c) for c in calls]
+    def items(self, d: Delta) -> list[dict]:
+        """Reasoning, the message and the calls of a parsed output, each where there is one."""
+        out = [self.reasoning_item(d.reasoning)] if d.reasoning else []
+        out += [self.message_item(d.content)] if d.content else []
+        return out + [self.call_item(c) for c in d.calls]
 
     def response(
         self,
         status: str,
         output: list[dict],
         finish: str | None = None,
-        usage: tuple[int, int] | None = None,
+        usage: tuple[int, int, int] | None = None,
         cached: int = 0,
     ) -> dict:
+        """`usage`: input, output and reasoning tokens."""
         r = self.req
         fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else None
         body = {
@@ -251,7 +263,7 @@ class ResponseBuilder:
                 "input_tokens": usage[0],
                 "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": usage[1],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": usage[2]},
                 "total_tokens": usage[0] + usage[1],
             }
         return body

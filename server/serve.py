@@ -12,6 +12,7 @@ from worker.config import EngineConfig
 
 from .app import ServerSettings, build_app
 from .metrics import Metrics
+from .parsers.registry import Parsers
 from .supervisor import EngineSupervisor
 
 log = logging.getLogger("eaglegate.serve")
@@ -39,6 +40,7 @@ def serve(
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     restart_workers: bool = True,
+    parsers: Parsers = Parsers(),
 ) -> int:
     if config.node_rank > 0:
         log.info(
@@ -59,7 +61,11 @@ def serve(
         return 1
     engine = supervisor.engine
     settings = ServerSettings(
-        served_model_name=name, model_aliases=(config.model_path,), api_key=api_key, stall_timeout=stall_timeout
+        served_model_name=name,
+        model_aliases=(config.model_path,),
+        api_key=api_key,
+        stall_timeout=stall_timeout,
+        parsers=parsers,
     )
     app = build_app(supervisor, settings, metrics)
     print(

@@ -255,3 +255,111 @@ def test_dead_end_grammar_finishes_with_its_reason_and_serving_goes_on(client, s
         extra_body={"ebnf": 'root ::= "Z"'},
     )
     assert r.choices[0].message.content == "Z" and r.choices[0].finish_reason == "stop"
+
+
+# --- --reasoning-parser / --tool-call-parser: GLM-4.5's format through a speculative server ----------------------
+PLAN_TRIP = {
+    "type": "function",
+    "function": {
+        "name": "plan_trip",
+        "parameters": {
+            "type": "object",
+            "properties": {"stops": {"type": "array", "items": {"type": "object"}}},
+            "required": ["stops"],
+        },
+    },
+}
+GLM_OUTPUT = (
+    "<think>北京, then a trip.</think>\nBoth.\n"
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>北京</arg_value>\n</tool_call>\n"
+    '<tool_call>plan_trip\n<arg_key>stops</arg_key>\n<arg_value>[{"city": "Zürich"}]</arg_value>\n</tool_call>'
+)
+GLM_CALLS = [("get_weather", {"city": "北京"}), ("plan_trip", {"stops": [{"city": "Zürich"}]})]
+
+
+def _literal(text: str) -> dict:
+    """SGLang's `ebnf` extra forcing the model, under real constrained generation, to write `text`."""
+    return {"ebnf": "root ::= " + json.dumps(text, ensure_ascii=False)}
+
+
+@pytest.fixture(scope="module")
+def parser_client(smol_dir):
+    from conftest import ServerProcess
+
+    from speculative.defaults import DEFAULT_HEAD
+
+    server = ServerProcess(  # the shipped head's tree, drafting every step
+        ["--dtype", "float32", "--max-total-tokens", "8192", "--speculative-algorithm", "EAGLE3",
+         "--speculative-draft-model-path", str(DEFAULT_HEAD), "--speculative-num-steps", "1",
+         "--speculative-num-draft-tokens", "2", "--speculative-cost-table", "off",
+         "--reasoning-parser", "glm45", "--tool-call-parser", "glm45"],
+        api_key=API_KEY,
+    )  # fmt: skip
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    assert server.stop() == 0
+
+
+def test_reasoning_and_calls_parse_in_chat_whole_and_streamed(parser_client):
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Beijing, and a trip?"}],
+           "tools": [WEATHER, PLAN_TRIP], "temperature": 0, "max_tokens": 200,
+           "extra_body": _literal(GLM_OUTPUT)}  # fmt: skip
+    r = parser_client.chat.completions.create(**ask)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert (message.reasoning_content, message.content) == ("北京, then a trip.", "Both.")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == GLM_CALLS
+    assert r.usage.completion_tokens_details.reasoning_tokens > 0
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in parser_client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert "<" not in (delta.content or "")  # no tag, whole or partial, reaches content
+        content += delta.content or ""
+        for d in delta.tool_calls or ():
+            name, args = calls.get(d.index, (None, ""))
+            calls[d.index] = (d.function.name or name, args + (d.function.arguments or ""))
+        finish = chunk.choices[0].finish_reason or finish
+    assert (reasoning, content, finish) == (message.reasoning_content, message.content, "tool_calls")
+    assert [(n, json.loads(a)) for n, a in calls.values()] == GLM_CALLS
+
+
+def test_a_malformed_call_stays_content(parser_client):
+    text = "<tool_call>launch_rocket\n<arg_key>to</arg_key>\n<arg_value>Mars</arg_value>\n</tool_call>"
+    r = parser_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Go"}], tools=[WEATHER], temperature=0, max_tokens=80,
+        extra_body=_literal(text),
+    )  # fmt: skip
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason) == (
+        text,
+        None,
+        "stop",
+    )
+
+
+def test_responses_have_reasoning_and_function_call_items(parser_client):
+    text = (
+        "<think>Use the tool.</think>\n"
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>"
+    )
+    ask = {"model": MODEL, "input": "Weather in Oslo?", "tools": [{"type": "function", **WEATHER["function"]}],
+           "temperature": 0, "max_output_tokens": 120, "extra_body": _literal(text)}  # fmt: skip
+    r = parser_client.responses.create(**ask)
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert r.output[0].content[0].text == "Use the tool." and r.usage.output_tokens_details.reasoning_tokens > 0
+    assert (r.output[1].name, json.loads(r.output[1].arguments)) == ("get_weather", {"city": "Oslo"})
+    with parser_client.responses.stream(**ask) as stream:
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].content[0].text == "Use the tool." and final.output[1].arguments == r.output[1].arguments
+
+
+def test_a_required_call_is_generated_in_the_parsers_format(parser_client):
+    r = parser_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", temperature=0, max_tokens=120,
+    )  # fmt: skip
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
