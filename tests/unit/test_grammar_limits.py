@@ -53,7 +53,7 @@ def test_a_grammar_over_a_limit_is_refused_by_name_before_any_parser_sees_it(spe
     def parse(_):
         raise AssertionError("a grammar over a limit reached the parser")
 
-    monkeypatch.setattr(grammar, "_grammar", parse)
+    monkeypatch.setattr(grammar, "build_grammar", parse)
     with pytest.raises(InvalidGrammarError) as e:
         check_grammar(spec)
     assert limit in str(e.value) and e.value.param == spec.param
