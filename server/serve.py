@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 import uvicorn
@@ -41,6 +42,9 @@ def serve(
     log_level: str = "info",
     restart_workers: bool = True,
     parsers: Parsers = Parsers(),
+    max_worker_restarts: int = 5,
+    max_new_tokens_default: int | None = None,
+    request_timeout: float | None = None,
 ) -> int:
     if config.node_rank > 0:
         log.info(
@@ -54,8 +58,14 @@ def serve(
     name = config.served_model_name or config.model_path
     spec = config.spec
     metrics = Metrics(name, spec_positions=spec.num_steps + spec.context_tokens if spec.enabled else 0)
+    server: _DrainingServer | None = None
+
+    def give_up() -> None:  # from the supervisor's thread: drain and stop, then exit 1
+        if server is not None:
+            server.handle_exit(signal.SIGTERM, None)
+
     try:
-        supervisor = EngineSupervisor(config, metrics, restart=restart_workers)
+        supervisor = EngineSupervisor(config, metrics, restart_workers, max_worker_restarts, give_up)
     except Exception as e:  # noqa: BLE001 - a start-up failure is reported, not a traceback
         print(f"eaglegate: failed to start: {e}", flush=True)
         return 1
@@ -66,6 +76,8 @@ def serve(
         api_key=api_key,
         stall_timeout=stall_timeout,
         parsers=parsers,
+        max_new_tokens_default=max_new_tokens_default,
+        request_timeout=request_timeout,
     )
     app = build_app(supervisor, settings, metrics)
     print(
@@ -82,5 +94,8 @@ def serve(
         server.run()
     finally:
         supervisor.shutdown()
+    if supervisor.gave_up:
+        print(f"eaglegate: stopped: the worker group failed too often ({supervisor.last_failure})", flush=True)
+        return 1
     print("eaglegate: stopped", flush=True)
     return 0

@@ -1,24 +1,39 @@
 """Keeps an engine serving: when its worker group dies (a rank killed, diverged or timed out) the engine fails
 every in-flight request at once; the supervisor keeps /health red with the reason, then starts a fresh worker
-group in the background (at most `max_restarts` times) and swaps it in."""
+group in the background and swaps it in. Restarts back off exponentially; past `max_restarts` within
+RESTART_WINDOW_S it gives up and `on_give_up` ends the process with a non-zero status, so the layer above (Docker's
+restart policy, Kubernetes) starts it afresh rather than a red server staying up for ever."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
 
 log = logging.getLogger("eaglegate.supervisor")
+RESTART_WINDOW_S = 600.0  # restarts counted over the last ten minutes
+BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # the wait before a restart doubles with each failure in the window
 
 
 class EngineSupervisor:
-    def __init__(self, config: EngineConfig, metrics, restart: bool = True, max_restarts: int = 5):
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics,
+        restart: bool = True,
+        max_restarts: int = 5,
+        on_give_up: Callable[[], None] | None = None,
+    ):
         self.config, self.metrics = config, metrics
-        self.restart, self.max_restarts = restart, max_restarts
-        self.restarts = 0
+        self.restart, self.max_restarts, self.on_give_up = restart, max_restarts, on_give_up
+        self.restarts = 0  # in the process's life
+        self.recent: deque[float] = deque()  # failures within RESTART_WINDOW_S
+        self.gave_up = False
         self.last_failure: str | None = None
         self.restarting = False
         self._closing = False
@@ -37,12 +52,27 @@ class EngineSupervisor:
                 return
             self.last_failure = engine.dead_reason
             log.error("engine failed: %s", self.last_failure)
-            if not self.restart or self.restarts >= self.max_restarts:
-                log.error("not restarting (%d restarts so far); /health stays red", self.restarts)
+            if not self.restart:
+                log.error("not restarting (--no-restart-workers); /health stays red")
+                return
+            now = time.monotonic()
+            self.recent.append(now)
+            while self.recent and now - self.recent[0] > RESTART_WINDOW_S:
+                self.recent.popleft()
+            if len(self.recent) > self.max_restarts:
+                self.gave_up = True
+                log.error(
+                    "%d worker-group failures within %.0f s, over the limit of %d restarts: giving up",
+                    len(self.recent),
+                    RESTART_WINDOW_S,
+                    self.max_restarts,
+                )
+                if self.on_give_up is not None:
+                    self.on_give_up()
                 return
             self.restarting = True
             engine.shutdown()
-            time.sleep(1.0)  # back off before reloading
+            time.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (len(self.recent) - 1)))
             try:
                 self.engine = self._start()
                 self.restarts += 1

@@ -17,6 +17,7 @@ from worker.protocol import (
     ERROR_ENGINE,
     ERROR_INVALID_GRAMMAR,
     FINISH_DEAD_END,
+    FINISH_TIMEOUT,
     AbortRequest,
     AddRequest,
     AddRequests,
@@ -35,6 +36,7 @@ from worker.stats import EngineSnapshot, StepMetrics
 # a report carries rank 0's stats snapshot at most this often while steps run (and always with a finished request or
 # outside a step), in seconds: building, pickling and sending it every step costs 2.5% of plain decode's speed on CPU
 SNAPSHOT_INTERVAL_S = 0.05
+EXPIRY_INTERVAL_S = 0.1  # how often rank 0 looks for requests past their timeout
 
 
 class Leader:
@@ -65,6 +67,7 @@ class Leader:
             self.eos_ids,
         )
         self.compiling: dict[str, tuple[AddRequest, torch.Generator]] = {}  # requests whose grammar compiles
+        self.expiry_checked = float("-inf")
 
     @property
     def reserve(self) -> int:
@@ -155,6 +158,19 @@ class Leader:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def expire(self) -> None:
+        """Finish the requests past their timeout (rank 0's clock, a decision the plans carry to every rank): their
+        KV returns to the pool and the client gets finish_reason "timeout" with what was generated."""
+        now = time.monotonic()
+        if now - self.expiry_checked < EXPIRY_INTERVAL_S:
+            return
+        self.expiry_checked = now
+        for seq in list(self.scheduler.by_request.values()):
+            limit = seq.params.timeout_s
+            if limit is not None and now - seq.arrival > limit:
+                self.scheduler.finish(seq, FINISH_TIMEOUT)
+                self._report(seq)
 
     # --- one step -----------------------------------------------------------------------------------
     def build_plan(self, batch: list[ScheduledSeq]) -> ForwardPlan:

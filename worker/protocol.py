@@ -10,6 +10,7 @@ from worker.stats import EngineSnapshot, StepMetrics
 ERROR_CONTEXT_LENGTH = "context_length_exceeded"  # OpenAI's code for a prompt over the context limit
 ERROR_ENGINE = "engine_error"
 ERROR_INVALID_GRAMMAR = "invalid_grammar"  # a grammar rank 0 could not compile against the vocabulary (400)
+FINISH_TIMEOUT = "timeout"  # finish_reason: the request ran past --request-timeout (rank 0's clock)
 FINISH_DEAD_END = "grammar_dead_end"  # finish_reason: the grammar allows no next token (e.g. all banned by logit_bias)
 
 

@@ -158,3 +158,21 @@ def test_a_batch_past_the_queue_limit_is_refused_whole(smol_engine):
         smol_engine.submit(reqs, [_Sink(lambda _: None) for _ in reqs])
     assert smol_engine.num_in_flight == 0
     assert smol_engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, temperature=0))[0].token_ids
+
+
+def test_a_request_past_its_timeout_finishes_on_rank_0_and_frees_its_kv(smol_engine):
+    """SamplingParams.timeout_s (--request-timeout): rank 0 finishes the request with finish_reason "timeout",
+    keeps what it generated, returns its KV; a request beside it without a timeout is unaffected."""
+    import time
+
+    prompt = smol_engine.encode("Count from one to ten thousand:")
+    endless = SamplingParams(max_new_tokens=6000, temperature=0, ignore_eos=True, timeout_s=1.0)
+    short = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    t0 = time.monotonic()
+    timed, other = smol_engine.generate([prompt, prompt], [endless, short])
+    assert timed.finish_reason == "timeout" and 0 < len(timed.token_ids) < 6000
+    assert 1.0 <= time.monotonic() - t0 < 10
+    assert other.finish_reason == "length" and other.token_ids == timed.token_ids[:8]
+    assert smol_engine.stats.values["kv_used_tokens"] == 0
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        SamplingParams(timeout_s=0).validate()

@@ -180,9 +180,20 @@ def test_api_key_never_leaks(server):
     assert SECRET not in server.output()
 
 
+def _workers(s: ServerProcess) -> list[int]:
+    tree = sorted(descendants(s.proc.pid) - {s.proc.pid})
+    return [p for p in tree if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
 def test_worker_death_gives_503_then_the_group_restarts(tiny_llama, head):
-    s = ServerProcess(_args(tiny_llama, head, "--tp-size", "2", "--max-model-len", "6000"))
+    """A killed rank fails the in-flight stream with a 503 at once, /health and /health/ready turn red, the group
+    restarts (readiness returns with a real generation); past --max-worker-restarts the process exits 1, for the
+    container runtime to restart it."""
+    s = ServerProcess(
+        _args(tiny_llama, head, "--tp-size", "2", "--max-model-len", "6000", "--max-worker-restarts", "1")
+    )
     try:
+        assert httpx.get(s.base_url + "/health/ready", timeout=60).json() == {"status": "ready"}
         workers = sorted(descendants(s.proc.pid) - {s.proc.pid})
         body = {
             "model": "tiny",
@@ -222,8 +233,12 @@ def test_worker_death_gives_503_then_the_group_restarts(tiny_llama, head):
             time.sleep(0.25)  # the worker group reloads in the background, bounded
         assert _chat(s).status_code == 200
         assert s.stats()["restarts"] == 1 and "exited with code" in s.stats()["last_failure"]
+        assert httpx.get(s.base_url + "/health/ready", timeout=60).status_code == 200
+        os.kill(_workers(s)[-1], signal.SIGKILL)  # a second failure within the window: past the budget of 1
+        assert s.proc.wait(timeout=60) == 1
+        assert "stopped: the worker group failed too often" in s.output()
     finally:
-        assert s.stop() == 0
+        s.stop()
 
 
 def test_sigterm_under_load_drains_and_exits_zero(tiny_llama, head):

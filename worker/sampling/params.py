@@ -50,6 +50,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus k alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: added to the logits; -100 bans, as OpenAI documents
     grammar: GrammarSpec | None = None  # constrained decoding (rank 0 only)
+    # rank 0 finishes the request (finish_reason "timeout") once it has been this many seconds at rank 0; None: never
+    timeout_s: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +79,11 @@ class SamplingParams:
             isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
             "max_tokens",
             f"max_tokens must be a positive integer, got {self.max_new_tokens!r}",
+        )
+        check(
+            self.timeout_s is None or (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0),
+            "timeout",
+            f"a request timeout must be a positive number of seconds, got {self.timeout_s!r}",
         )
         check(0.0 <= self.temperature <= 2.0, "temperature", f"temperature must be in [0, 2], got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
