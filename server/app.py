@@ -75,7 +75,9 @@ class GuardMiddleware:
                     code="invalid_api_key",
                 )
         if rejection is None and self.state.draining and path.startswith("/v1/") and scope["method"] == "POST":
-            rejection = error_response(503, "server is shutting down", "service_unavailable_error")
+            rejection = error_response(
+                503, "server is shutting down", "service_unavailable_error", headers={"Retry-After": "5"}
+            )
         length = headers.get(b"content-length")
         too_large = error_response(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
         if rejection is None and length is not None and not length.isdigit():

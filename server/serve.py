@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 
 import uvicorn
@@ -19,15 +20,33 @@ from .supervisor import EngineSupervisor
 log = logging.getLogger("eaglegate.serve")
 
 
-class _DrainingServer(uvicorn.Server):
-    """On the first signal, new generation requests get 503 while in-flight ones finish (bounded)."""
+FLUSH_S = 5.0  # after the drain, how long uvicorn gives open responses to send their last bytes
 
-    def __init__(self, config: uvicorn.Config, app):
+
+class _DrainingServer(uvicorn.Server):
+    """On the first signal the server drains while it still listens: new generation requests and /health/ready get
+    503 (a load balancer takes it out of rotation), in-flight requests run to their end for up to `drain_timeout`
+    seconds; then uvicorn stops. A second signal stops it at once. What is still running then ends with an error."""
+
+    def __init__(self, config: uvicorn.Config, app, in_flight, drain_timeout: float):
         super().__init__(config)
-        self._app = app
+        self._app, self._in_flight, self._drain_timeout = app, in_flight, drain_timeout
 
     def handle_exit(self, sig, frame) -> None:
+        if self._app.state.draining:
+            self._stop(sig, frame)
+            return
         self._app.state.draining = True
+        log.info("draining: up to %.0f s for %d requests in flight", self._drain_timeout, self._in_flight())
+        threading.Thread(target=self._drain, args=(sig, frame), name="eaglegate-drain", daemon=True).start()
+
+    def _drain(self, sig, frame) -> None:
+        deadline = time.monotonic() + self._drain_timeout
+        while self._in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop(sig, frame)
+
+    def _stop(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # uvicorn would re-raise it after shutdown; we stop the engine, exit 0
 
@@ -88,7 +107,10 @@ def serve(
     )
     print(f"eaglegate: listening on http://{host}:{port} (OpenAI API at /v1)", flush=True)
     server = _DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout), app
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_S),
+        app,
+        lambda: supervisor.engine.num_in_flight,
+        shutdown_timeout,
     )
     try:
         server.run()

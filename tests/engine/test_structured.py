@@ -9,6 +9,7 @@ import random
 import jsonschema
 import pytest
 from conftest import chat
+from helpers import slow_schema
 
 from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD
@@ -175,17 +176,13 @@ def test_bad_grammars_are_refused_before_rank_0(spec):
     assert e.value.param == spec.param and str(e.value).startswith(("invalid", "unknown"))
 
 
-# 600 properties, each with its own bounded pattern: within every limit, and about 10 s of compiling on one core
-SLOW_SCHEMA = {
-    "type": "object",
-    "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 9}}}x{i}"} for i in range(600)},
-}
-SLOW = GrammarSpec("json_schema", json.dumps(SLOW_SCHEMA | {"required": list(SLOW_SCHEMA["properties"])}))
+SLOW = GrammarSpec("json_schema", json.dumps(slow_schema()))
 
 
-def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_stepping(smol_dir):
-    """tp=3: rank 0 compiles grammars in a child process; a compile past COMPILE_TIMEOUT_S is killed and its request
-    fails with the limit named, while plain requests step meanwhile; the next grammar gets a fresh child."""
+def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_stepping(smol_engine):
+    """Rank 0 compiles grammars in a child process; a compile past COMPILE_TIMEOUT_S is killed and its request fails
+    with the limit named, while plain requests step meanwhile; the next grammar gets a fresh child. (At tp=3 through
+    HTTP: tests/server/test_reliability.py.)"""
     import queue
     import time
 
@@ -194,34 +191,32 @@ def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_steppi
     from worker.sampling.grammar_process import COMPILE_TIMEOUT_S
 
     check_grammar(SLOW)  # the front end lets it through
-    with Engine(EngineConfig(tp_size=3, dtype="float32", max_total_tokens=4096)) as eng:
-        prompt = eng.encode("Tell me a story about a fox.")
-        greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-        reference = eng.generate([prompt], greedy)[0].token_ids
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        reqs = [("slow", prompt, SamplingParams(max_new_tokens=8, grammar=SLOW))]
-        reqs += [(f"plain{i}", prompt, greedy) for i in range(2)]
-        t0 = time.monotonic()
-        eng.submit(
-            reqs, [_Sink(lambda out, rid=rid: events.put((rid, time.monotonic() - t0, out))) for rid, _, _ in reqs]
-        )
-        finished, tokens, first_token = {}, {"plain0": [], "plain1": []}, {}
-        while len(finished) < 3:
-            rid, t, out = events.get(timeout=120)
-            if out.token_ids:
-                first_token.setdefault(rid, t)
-                tokens[rid] += out.token_ids
-            if out.finish_reason is not None:
-                finished[rid] = (t, out)
-        t_slow, slow = finished["slow"]
-        assert slow.finish_reason == "error" and slow.error_code == ERROR_INVALID_GRAMMAR
-        assert f"compiling took longer than the limit of {COMPILE_TIMEOUT_S:g} s" in slow.error
-        assert COMPILE_TIMEOUT_S <= t_slow < COMPILE_TIMEOUT_S + 60
-        assert all(first_token[r] < t_slow for r in ("plain0", "plain1"))  # they stepped while it compiled
-        assert tokens["plain0"] == tokens["plain1"] == reference
-        after = eng.generate([prompt], SamplingParams(max_new_tokens=8, grammar=GrammarSpec("json_object")))
-        assert after[0].text.startswith("{")
-        assert eng.is_alive and eng.stats.values["rank_divergences"] == 0
+    eng = smol_engine
+    prompt = eng.encode("Tell me a story about a fox.")
+    greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    reference = eng.generate([prompt], greedy)[0].token_ids
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    reqs = [("slow", prompt, SamplingParams(max_new_tokens=8, grammar=SLOW))]
+    reqs += [(f"plain{i}", prompt, greedy) for i in range(2)]
+    t0 = time.monotonic()
+    eng.submit(reqs, [_Sink(lambda out, rid=rid: events.put((rid, time.monotonic() - t0, out))) for rid, _, _ in reqs])
+    finished, tokens, first_token = {}, {"plain0": [], "plain1": []}, {}
+    while len(finished) < 3:
+        rid, t, out = events.get(timeout=120)
+        if out.token_ids:
+            first_token.setdefault(rid, t)
+            tokens[rid] += out.token_ids
+        if out.finish_reason is not None:
+            finished[rid] = (t, out)
+    t_slow, slow = finished["slow"]
+    assert slow.finish_reason == "error" and slow.error_code == ERROR_INVALID_GRAMMAR
+    assert f"compiling took longer than the limit of {COMPILE_TIMEOUT_S:g} s" in slow.error
+    assert COMPILE_TIMEOUT_S <= t_slow < COMPILE_TIMEOUT_S + 60
+    assert all(first_token[r] < t_slow for r in ("plain0", "plain1"))  # they stepped while it compiled
+    assert tokens["plain0"] == tokens["plain1"] == reference
+    after = eng.generate([prompt], SamplingParams(max_new_tokens=8, grammar=GrammarSpec("json_object")))
+    assert after[0].text.startswith("{")
+    assert eng.is_alive and eng.stats.values["rank_divergences"] == 0
 
 
 def test_a_crashing_compile_takes_only_the_child(smol_dir):

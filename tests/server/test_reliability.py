@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import alive, descendants, eagle_flags, save_copy_eagle_head
+from helpers import alive, descendants, eagle_flags, nested_schema, save_copy_eagle_head, slow_schema
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
@@ -291,3 +291,78 @@ def test_a_failing_step_observer_never_stops_outputs(tiny_llama, caplog):
     assert got == expected and all(len(t) == 8 for t in got)
     assert eng.observer_errors == len(calls) >= 8  # after shutdown joined the receiver: the counts are final
     assert sum("metrics bug" in r.exc_text for r in caplog.records if r.exc_text) == 1
+
+
+def _stream_chat(base_url: str, body: dict, out: dict) -> None:
+    """One streamed chat request; records its status, text and finish reason."""
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        out["status"] = r.status_code
+        text, finish = [], None
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    text.append(choice[0]["delta"].get("content") or "")
+                    finish = choice[0].get("finish_reason") or finish
+                    out.setdefault("first", time.monotonic())
+        out["text"], out["finish"] = "".join(text), finish
+
+
+def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(smol_dir):
+    """At tp=3: grammars over a limit (nesting 250 and 400, a repeat cap) and one that compiles past the limit each get
+    a 400 naming it while plain streams keep completing, with no restart, and the next grammar is served. Then SIGTERM
+    during streams: new requests and /health/ready get 503 while the streams run to their full length, and the process
+    exits 0 with no process left behind."""
+    s = ServerProcess(["--tp-size", "3", "--dtype", "float32", "--speculative-algorithm", "NONE"])
+    tree = descendants(s.proc.pid)
+    url = s.base_url + "/v1/chat/completions"
+    plain = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Tell me about owls."}]}
+    streaming = plain | {"max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0}
+    try:
+        assert httpx.get(s.base_url + "/health/ready", timeout=60).status_code == 200
+        streams = [{} for _ in range(2)]
+        threads = [threading.Thread(target=_stream_chat, args=(s.base_url, streaming, o)) for o in streams]
+        for t in threads:
+            t.start()
+        refused = [
+            (json.loads(nested_schema(250)), "nests deeper than the limit of 128"),
+            (json.loads(nested_schema(400)), "nests deeper than the limit of 128"),
+            (slow_schema(), "compiling took longer than the limit of 5 s"),
+        ]
+        for schema, reason in refused:
+            fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+            r = httpx.post(url, json=plain | {"max_tokens": 8, "response_format": fmt}, timeout=120)
+            assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text[:300]
+        r = httpx.post(url, json=plain | {"max_tokens": 8, "regex": "a{1,999}"}, timeout=60)
+        assert r.status_code == 400 and "over the limit of 256" in r.json()["error"]["message"]
+        for t in threads:
+            t.join(timeout=120)
+        assert all(o["status"] == 200 and o["finish"] == "length" for o in streams)
+        r = httpx.post(url, json=plain | {"max_tokens": 8, "response_format": {"type": "json_object"}}, timeout=60)
+        assert r.status_code == 200 and s.stats()["restarts"] == 0
+        # SIGTERM while streams run
+        streams = [{} for _ in range(3)]
+        threads = [
+            threading.Thread(target=_stream_chat, args=(s.base_url, streaming | {"max_tokens": 96}, o)) for o in streams
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all("first" in o for o in streams) and time.monotonic() < deadline:
+            time.sleep(0.02)  # until every stream has its first chunk
+        s.proc.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        time.sleep(0.2)
+        r = httpx.post(url, json=plain | {"max_tokens": 8}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert httpx.get(s.base_url + "/health/ready", timeout=10).status_code == 503
+        for t in threads:
+            t.join(timeout=60)
+        assert all(o["status"] == 200 and o["finish"] == "length" for o in streams)  # full length, not cut
+        assert s.proc.wait(timeout=60) == 0 and time.monotonic() - stopped_at < 30 + 10
+    finally:
+        s.stop()
+    deadline = time.monotonic() + 10
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(tree), f"orphans: {alive(tree)}"

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from helpers import nested_schema
 
 from worker.sampling import grammar
 from worker.sampling.grammar import MAX_GRAMMAR_CHARS, MAX_REPEAT, MAX_SCHEMA_NESTING, check_grammar, json_nesting
 from worker.sampling.params import GrammarSpec, InvalidGrammarError
-
-
-def nested_schema(levels: int) -> str:
-    schema = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return json.dumps(schema)
 
 
 def test_nesting_is_counted_without_parsing_and_ignores_strings():
