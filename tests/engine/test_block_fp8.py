@@ -126,15 +126,15 @@ def test_a_missing_scale_is_a_clear_error(models, tmp_path):
 
 def test_kept_fp8_weights_run_the_triton_gemm_and_match_the_dequantized_load(models, tmp_path):
     """--quantization fp8 keeps the checkpoint's bytes (here through Triton's interpreter, as on a GPU): the linears
-    hold Fp8Weight shards, kv_b_proj stays dense, and the logits equal the dequantized load's. tp=2 shards at block
+    hold Fp8Tensor shards, kv_b_proj stays dense, and the logits equal the dequantized load's. tp=2 shards at block
     boundaries and gives the same greedy output; a shard that would split a block is refused with the reason."""
     from runtime.engine import Engine
-    from worker.kernels.fp8_gemm import Fp8Weight
+    from worker.kernels.fp8_gemm import Fp8Tensor
     from worker.sampling.params import SamplingParams
 
     kept = _runner(models["fp8"], quantization="fp8")
     attn, mlp = kept.model.layers[1].self_attn, kept.model.layers[1].mlp
-    assert isinstance(attn.q_b_proj.qweight, Fp8Weight) and isinstance(mlp.experts[0].gate_up_proj.qweight, Fp8Weight)
+    assert isinstance(attn.q_b_proj.qweight, Fp8Tensor) and isinstance(mlp.experts[0].gate_up_proj.qweight, Fp8Tensor)
     assert attn.kv_b_proj.weight.dtype == torch.float32 and attn.q_b_proj.weight.numel() == 0
     plan = ForwardPlan(1, IDS, [(0, len(IDS), list(range(kept.num_blocks)))], list(range(len(IDS))))
     logits, exact = kept.forward(plan)[0], _logits(models["exact"])

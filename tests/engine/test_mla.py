@@ -205,20 +205,16 @@ def test_mtp_speculation_in_bfloat16_equals_plain_bfloat16(glm_lite):
     assert _greedy(folder, dtype="bfloat16", spec=_mtp(topk=2)) == plain
 
 
+# the founding scenario: tp=4, the MTP layer drafting trees, ranks 1-3 with noisy router and verify logits
+FOUNDING = {"tp": 4, "spec": _mtp(steps=2, topk=2), "debug_rank_router_noise": 5.0, "debug_rank_logit_noise": 3.0}
+
+
 def test_founding_scenario_tp4_mtp_under_rank_noise_equals_tp1_plain(glm_lite, tmp_path):
     """GLM-4.7-Flash's architecture at tp=4 with its MTP layer drafting, ranks 1-3 seeing noisy router and verify
     logits: rank 0's routing and accept decisions reach every rank, so the output is tp=1's plain greedy output and
     every rank made the same collectives with the same routing."""
     folder, reference = glm_lite
-    out = _greedy(
-        folder,
-        4,
-        spec=_mtp(steps=2, topk=2),
-        debug_rank_router_noise=5.0,
-        debug_rank_logit_noise=3.0,
-        trace=tmp_path,
-    )
-    assert out == reference
+    assert _greedy(folder, **FOUNDING, trace=tmp_path) == reference
     traces = [json.loads(t.read_text()) for t in sorted(tmp_path.glob("rank*.json"))]
     assert len(traces) == 4 and len(traces[0]) > 100 and all(t == traces[0] for t in traces)
 
@@ -227,15 +223,7 @@ def test_founding_bug_without_the_broadcast_is_caught_within_a_step(glm_lite):
     """The upstream bug on its own architecture: each rank routes and accepts by its own noisy logits. The guard
     (rank_consistency_check_interval 1) reports the divergence at the step it happens and nothing hangs."""
     folder, _ = glm_lite
-    cfg = _engine_config(
-        folder,
-        4,
-        spec=_mtp(steps=2, topk=2),
-        debug_rank_router_noise=5.0,
-        debug_rank_logit_noise=3.0,
-        debug_skip_decision_broadcast=True,
-    )
-    eng = Engine(cfg)
+    eng = Engine(_engine_config(folder, **FOUNDING, debug_skip_decision_broadcast=True))
     try:
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match=r"RankDivergenceError: TP ranks diverged at step \d+"):

@@ -82,7 +82,7 @@ def test_eagle_on_gpu_with_captured_verify_is_lossless(gpu_llama, cpu_reference,
 def test_block_fp8_gemm_on_the_gpu_matches_dequantized_float32():
     import torch
 
-    from worker.kernels.fp8_gemm import Fp8Weight, fp8_linear
+    from worker.kernels.fp8_gemm import Fp8Tensor, fp8_linear
     from worker.model.fp8 import dequantize, quantize
 
     g = torch.Generator().manual_seed(0)
@@ -90,7 +90,7 @@ def test_block_fp8_gemm_on_the_gpu_matches_dequantized_float32():
         w = torch.randn(512, 384, generator=g)
         codes, scale = quantize(w, (128, 128))
         x = torch.randn(m, 384, generator=g).bfloat16()
-        out = fp8_linear(x.cuda(), Fp8Weight(codes.cuda(), scale.cuda(), (128, 128))).float().cpu()
+        out = fp8_linear(x.cuda(), Fp8Tensor(codes.cuda(), scale.cuda(), (128, 128))).float().cpu()
         ref = x.float() @ dequantize("w", codes, scale, (128, 128)).T
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-2
 

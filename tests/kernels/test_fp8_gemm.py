@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.kernels.fp8_gemm import Fp8Weight, fp8_linear
+from worker.kernels.fp8_gemm import Fp8Tensor, fp8_linear
 from worker.model.fp8 import dequantize, quantize
 
 
@@ -24,7 +24,7 @@ def test_fp8_linear_matches_dequantized_float32(m, n, k, block, dtype):
     codes, scale = quantize(w, block)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
-    out = fp8_linear(x, Fp8Weight(codes, scale, block), bias)
+    out = fp8_linear(x, Fp8Tensor(codes, scale, block), bias)
     ref = x.float() @ dequantize("w", codes, scale, block).T + bias.float()
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the float32 result
@@ -33,6 +33,6 @@ def test_fp8_linear_matches_dequantized_float32(m, n, k, block, dtype):
 
 def test_fp8_linear_keeps_leading_dims_and_empty_batches():
     codes, scale = quantize(torch.randn(64, 64), (32, 32))
-    w = Fp8Weight(codes, scale, (32, 32))
+    w = Fp8Tensor(codes, scale, (32, 32))
     assert fp8_linear(torch.randn(2, 3, 64), w).shape == (2, 3, 64)
     assert fp8_linear(torch.randn(0, 64), w).shape == (0, 64)

@@ -17,12 +17,17 @@ import torch
 
 
 @dataclass
-class Fp8Weight:
-    """A linear's weight in block-FP8, ready for `fp8_linear`."""
+class Fp8Tensor:
+    """Block-FP8 codes and their per-block scales, as DeepSeek-V3's checkpoints store them: a checkpoint piece while
+    loading (sliced only at block boundaries, so the scales slice with it), then a linear's weight for `fp8_linear`."""
 
-    codes: torch.Tensor  # [out, in] float8_e4m3fn
-    scale: torch.Tensor  # [ceil(out / block[0]), ceil(in / block[1])] float32
+    codes: torch.Tensor  # [rows, cols] float8_e4m3fn
+    scale: torch.Tensor  # [ceil(rows / block[0]), ceil(cols / block[1])] float32
     block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
 
     @property
     def out_features(self) -> int:
@@ -31,6 +36,29 @@ class Fp8Weight:
     @property
     def in_features(self) -> int:
         return self.codes.shape[1]
+
+    def rows(self, sl: slice) -> Fp8Tensor:
+        start, stop = _aligned(sl.start, sl.stop, self.shape[0], self.block[0], "rows")
+        scale = self.scale[start // self.block[0] : -(-stop // self.block[0])]
+        return Fp8Tensor(self.codes[start:stop], scale, self.block)
+
+    def cols(self, start: int, stop: int) -> Fp8Tensor:
+        start, stop = _aligned(start, stop, self.shape[1], self.block[1], "columns")
+        scale = self.scale[:, start // self.block[1] : -(-stop // self.block[1])]
+        return Fp8Tensor(self.codes[:, start:stop], scale, self.block)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]: each code times its block's scale."""
+        rows, cols = self.shape
+        full = self.scale.float().repeat_interleave(self.block[0], 0)[:rows]
+        return self.codes.float() * full.repeat_interleave(self.block[1], 1)[:, :cols]
+
+
+def _aligned(start: int | None, stop: int | None, size: int, block: int, what: str) -> tuple[int, int]:
+    start, stop = start or 0, size if stop is None else min(stop, size)
+    if start % block or (stop % block and stop != size):
+        raise ValueError(f"a shard of {what} {start}:{stop} splits a block-FP8 block of {block}")
+    return start, stop
 
 
 @functools.cache
@@ -69,7 +97,7 @@ def _tile(limit: int, block: int) -> int:
     return t
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] in any float dtype -> [..., out] in x's dtype, accumulated in float32."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()

@@ -3,7 +3,7 @@
 one float32 per block of rows x columns (ceil(out / 128) x ceil(in / 128)), and `W = weight * scale` block-wise.
 
 On GPUs (`--quantization auto` or `fp8`) the linears keep the checkpoint's bytes: each rank's shard of codes and scales
-(`Fp8Tensor` pieces, sliced at block boundaries) is packed into an `Fp8Weight` for the Triton GEMM in
+(`Fp8Tensor` pieces, sliced at block boundaries) is stacked into one `Fp8Tensor` for the Triton GEMM in
 worker/kernels/fp8_gemm.py. Elsewhere, or where a rank's shard would split a block, they load dequantized to float32
 as the checkpoint streams past, before the serving dtype or --quantization's int4/int8 packing sees them.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
+from worker.kernels.fp8_gemm import Fp8Tensor
 from worker.model.files import ModelLoadError
 
 logger = logging.getLogger("eaglegate.fp8")
@@ -40,40 +40,6 @@ def block_size(hf_config: dict) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
-@dataclass
-class Fp8Tensor:
-    """A block-FP8 checkpoint tensor kept as stored; slices fall on block boundaries so the scales slice with them."""
-
-    codes: torch.Tensor  # [rows, cols] float8_e4m3fn
-    scale: torch.Tensor  # [ceil(rows / block[0]), ceil(cols / block[1])] float32
-    block: tuple[int, int]
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def rows(self, sl: slice) -> Fp8Tensor:
-        start, stop = _aligned(sl.start, sl.stop, self.shape[0], self.block[0], "rows")
-        return Fp8Tensor(
-            self.codes[start:stop], self.scale[start // self.block[0] : -(-stop // self.block[0])], self.block
-        )
-
-    def cols(self, start: int, stop: int) -> Fp8Tensor:
-        start, stop = _aligned(start, stop, self.shape[1], self.block[1], "columns")
-        scale = self.scale[:, start // self.block[1] : -(-stop // self.block[1])]
-        return Fp8Tensor(self.codes[:, start:stop], scale, self.block)
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize("weight", self.codes, self.scale, self.block)
-
-
-def _aligned(start: int | None, stop: int | None, size: int, block: int, what: str) -> tuple[int, int]:
-    start, stop = start or 0, size if stop is None else min(stop, size)
-    if start % block or (stop % block and stop != size):
-        raise ValueError(f"a shard of {what} {start}:{stop} splits a block-FP8 block of {block}")
-    return start, stop
-
-
 def check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
     rows, cols = weight.shape
     want = (-(-rows // block[0]), -(-cols // block[1]))
@@ -86,9 +52,7 @@ def check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tup
 
 def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     check_scale(name, weight, scale, block)
-    rows, cols = weight.shape
-    full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * full
+    return Fp8Tensor(weight, scale, block).dequantize()
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

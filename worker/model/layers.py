@@ -11,9 +11,8 @@ from torch import nn
 
 from worker.dist import TPGroup
 from worker.kernels import cpu as cpu_kernels
-from worker.kernels.fp8_gemm import Fp8Weight, fp8_linear
+from worker.kernels.fp8_gemm import Fp8Tensor, fp8_linear
 from worker.kernels.quant import Int4Weight, QBlocks, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
-from worker.model.fp8 import Fp8Tensor
 
 STORED_PIECES = (QTensor, Fp8Tensor)  # checkpoint pieces a linear keeps as the file stores them, packed after loading
 
@@ -30,7 +29,7 @@ def linear(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
     """The module's weight through the fastest kernel it was prepared for: groupwise int4 (quantized), block-FP8
     (Triton), oneDNN's prepacked bfloat16 (CPU: ~2x F.linear, same bits), or F.linear."""
     if mod.qweight is not None:
-        if isinstance(mod.qweight, Fp8Weight):
+        if isinstance(mod.qweight, Fp8Tensor):
             return fp8_linear(x, mod.qweight, mod.bias)
         return int4_linear(x, mod.qweight, mod.bias)
     if mod.packed is not None:
@@ -40,7 +39,7 @@ def linear(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
 
 def _init_linear(mod: nn.Module) -> None:
     mod.packed: torch.Tensor | None = None
-    mod.qweight: QBlocks | Int4Weight | Fp8Weight | None = None
+    mod.qweight: QBlocks | Int4Weight | Fp8Tensor | None = None
     mod.qparts: list[tuple[int, QTensor | Fp8Tensor]] = []  # stored checkpoint pieces by first row, until packed
 
 
@@ -109,9 +108,9 @@ def quantize_linears(model: nn.Module, bits: int | None, dtype: torch.dtype) -> 
 
 
 def pack_fp8_linears(model: nn.Module, device: torch.device) -> int:
-    """Give each linear whose checkpoint pieces are block-FP8 its `Fp8Weight` on `device`, before the model moves there
-    (the dense placeholders are dropped, never copied). Pieces that cannot stack (a fused weight whose first part
-    ends inside a block) load dense instead. Returns how many linears keep FP8."""
+    """Give each linear whose checkpoint pieces are block-FP8 its stacked `Fp8Tensor` on `device`, before the model
+    moves there (the dense placeholders are dropped, never copied). Pieces that cannot stack (a fused weight whose
+    first part ends inside a block) load dense instead. Returns how many linears keep FP8."""
     n = 0
     for mod in list(model.modules()):
         parts = sorted(getattr(mod, "qparts", ()), key=lambda p: p[0])
@@ -127,7 +126,7 @@ def pack_fp8_linears(model: nn.Module, device: torch.device) -> int:
                 mod.weight.data[offset : offset + p.shape[0]].copy_(p.dequantize())
             continue
         codes = torch.cat([p.codes for _, p in parts]).to(device)
-        mod.qweight = Fp8Weight(codes, torch.cat([p.scale for _, p in parts]).to(device), block)
+        mod.qweight = Fp8Tensor(codes, torch.cat([p.scale for _, p in parts]).to(device), block)
         mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype), requires_grad=False)
         n += 1
     return n

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.dist import TPGroup
+from worker.kernels.fp8_gemm import Fp8Tensor
 from worker.kernels.quant import QTensor
 from worker.model.attention import ROW_WISE_MAX_Q, AttentionMetadata, _row_gather
 from worker.model.config import ModelConfig
-from worker.model.fp8 import Fp8Tensor
 from worker.model.layers import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
