@@ -90,10 +90,29 @@ def chat(engine: Engine, text: str) -> str:
 assert default_model_dir  # re-exported for tests
 
 
-class ServerProcess:
-    """A real `python -m server serve` subprocess on a free port."""
+# a restarting parent, as Docker's `restart: on-failure` or a Kubernetes pod is: runs the command again after a
+# non-zero exit, forwards SIGTERM to it, and exits with its status once it exits 0 or was told to stop
+RESTARTER = """
+import signal, subprocess, sys
+state = {"child": None, "stopping": False}
+def forward(*_):
+    state["stopping"] = True
+    if state["child"] is not None:
+        state["child"].terminate()
+signal.signal(signal.SIGTERM, forward)
+while True:
+    state["child"] = subprocess.Popen(sys.argv[1:])
+    rc = state["child"].wait()
+    if rc == 0 or state["stopping"]:
+        sys.exit(rc)
+    print(f"restarter: the server exited with {rc}; starting it again", flush=True)
+"""
 
-    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
+
+class ServerProcess:
+    """A real `python -m server serve` subprocess on a free port (under a restarting parent with `restart`)."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None, restart: bool = False):
         import shutil
         import subprocess
         import tempfile
@@ -107,6 +126,8 @@ class ServerProcess:
         if api_key:  # from a file, as an operator would: the key stays out of the process table
             (key_dir / "key").write_text(api_key + "\n")
             cmd += ["--api-key-file", str(key_dir / "key")]
+        if restart:
+            cmd = [sys.executable, "-c", RESTARTER, *cmd]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             self.wait_healthy()
