@@ -172,7 +172,8 @@ def test_a_request_past_its_timeout_finishes_on_rank_0_and_frees_its_kv(smol_eng
     timed, other = smol_engine.generate([prompt, prompt], [endless, short])
     assert timed.finish_reason == "timeout" and 0 < len(timed.token_ids) < 6000
     assert 1.0 <= time.monotonic() - t0 < 10
-    assert other.finish_reason == "length" and other.token_ids == timed.token_ids[:8]
+    n = min(8, len(timed.token_ids))  # a slow machine may time it out within its first 8 tokens
+    assert other.finish_reason == "length" and len(other.token_ids) == 8 and other.token_ids[:n] == timed.token_ids[:n]
     assert smol_engine.stats.values["kv_used_tokens"] == 0
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         SamplingParams(timeout_s=0).validate()
