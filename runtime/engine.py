@@ -48,6 +48,10 @@ class EngineBusyError(RuntimeError):
     """Admission control: requests or prompt tokens in flight are at their limit (a 429 to clients)."""
 
 
+class EngineInboxFullError(RuntimeError):
+    """Rank 0 has not taken its messages for so long that its inbox is full (a 503 to clients): a send never waits."""
+
+
 @dataclass
 class GenerationResult:
     request_id: str
@@ -318,8 +322,13 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------------
     def _send(self, msg) -> None:
+        """Control messages (aborts, shutdown), never waiting on rank 0: one that finds the inbox full is dropped
+        (the request then runs to its own end on rank 0; its client is gone)."""
         with self._lock:
-            self._to_leader.send_pyobj(msg)
+            try:
+                self._to_leader.send_pyobj(msg, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("rank 0's inbox is full; dropped a %s", type(msg).__name__)
 
     def submit(self, requests: list[tuple[str, list[int], SamplingParams]], sinks: list[_Sink]) -> None:
         """Dispatch a batch of requests to rank 0 in one message."""
@@ -339,7 +348,14 @@ class Engine:
                 sink.prompt_tokens = len(ids)
                 self._sinks[rid] = sink
                 self._prompt_tokens += len(ids)
-            self._to_leader.send_pyobj(AddRequests([AddRequest(rid, list(ids), p) for rid, ids, p in requests]))
+            try:
+                self._to_leader.send_pyobj(
+                    AddRequests([AddRequest(rid, list(ids), p) for rid, ids, p in requests]), zmq.NOBLOCK
+                )
+            except zmq.Again:
+                for rid, _, _ in requests:
+                    self._drop(rid)
+                raise EngineInboxFullError("rank 0 is not taking requests (its inbox is full): retry later") from None
 
     @property
     def queue_limits(self) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from runtime.engine import AsyncRequest, Engine, EngineBusyError, EngineDeadError
+from runtime.engine import AsyncRequest, Engine, EngineBusyError, EngineDeadError, EngineInboxFullError
 from worker.protocol import ERROR_CONTEXT_LENGTH, ERROR_INVALID_GRAMMAR, RequestOutput
 from worker.sampling.grammar import check_grammar
 from worker.sampling.params import (
@@ -233,6 +233,8 @@ class ChoiceSet:
             raise APIError(503, f"engine unavailable: {e}", "service_unavailable_error") from e
         except EngineBusyError as e:
             raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded", headers=RETRY_AFTER) from e
+        except EngineInboxFullError as e:
+            raise APIError(503, str(e), "service_unavailable_error", headers=RETRY_AFTER) from e
         except InvalidParameterError as e:
             raise APIError(400, str(e), param=e.param) from e
         now = time.monotonic()

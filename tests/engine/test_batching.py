@@ -177,3 +177,40 @@ def test_a_request_past_its_timeout_finishes_on_rank_0_and_frees_its_kv(smol_eng
     assert smol_engine.stats.values["kv_used_tokens"] == 0
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         SamplingParams(timeout_s=0).validate()
+
+
+def test_a_stalled_rank_0_never_blocks_a_submit(tiny_llama):
+    """With rank 0 stopped (SIGSTOP) its inbox fills; a submit then fails at once with EngineInboxFullError (a 503 to
+    clients) instead of waiting, and once rank 0 runs again every request that was accepted completes."""
+    import os
+    import signal
+    import time
+
+    from runtime.engine import EngineInboxFullError
+
+    cfg = EngineConfig(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, max_queued_requests=100000)
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    with Engine(cfg) as eng:
+        rank0 = eng.worker_pids[0]
+        os.kill(rank0, signal.SIGSTOP)
+        try:
+            sinks, slowest, refused = [], 0.0, None
+            for i in range(50000):
+                q: list = []
+                t0 = time.monotonic()
+                try:
+                    eng.submit([(f"r{i}", [5, 6], one)], [_Sink(q.append)])
+                except EngineInboxFullError as e:
+                    refused = e
+                    break
+                finally:
+                    slowest = max(slowest, time.monotonic() - t0)
+                sinks.append(q)
+            assert refused is not None and "inbox is full" in str(refused) and slowest < 1.0
+        finally:
+            os.kill(rank0, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while not all(any(getattr(o, "finish_reason", None) for o in q) for q in sinks):
+            assert time.monotonic() < deadline, "accepted requests did not finish"
+            time.sleep(0.1)
+        assert eng.is_alive and eng.num_in_flight == 0
