@@ -48,6 +48,9 @@ class EngineBusyError(RuntimeError):
     """Admission control: requests or prompt tokens in flight are at their limit (a 429 to clients)."""
 
 
+SEND_WAIT_MS = 100  # how long a submit may wait for room in rank 0's inbox before it is refused
+
+
 class EngineInboxFullError(RuntimeError):
     """Rank 0 has not taken its messages for so long that its inbox is full (a 503 to clients): a send never waits."""
 
@@ -187,7 +190,11 @@ class Engine:
             if self._from_leader.poll(200):
                 msg = self._from_leader.recv_pyobj()
                 if isinstance(msg, Ready):
-                    return msg
+                    # zmq connects asynchronously: until rank 0's inbox is attached a send that must not wait
+                    # (NOBLOCK) would fail as if the inbox were full, so start serving once it can be sent to
+                    if self._to_leader.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+                        return msg
+                    break
                 if isinstance(msg, Fatal):
                     self._kill_workers()
                     raise EngineDeadError(f"engine failed to start: {msg.message}")
@@ -348,10 +355,11 @@ class Engine:
                 sink.prompt_tokens = len(ids)
                 self._sinks[rid] = sink
                 self._prompt_tokens += len(ids)
+            msg = AddRequests([AddRequest(rid, list(ids), p) for rid, ids, p in requests])
             try:
-                self._to_leader.send_pyobj(
-                    AddRequests([AddRequest(rid, list(ids), p) for rid, ids, p in requests]), zmq.NOBLOCK
-                )
+                if not self._to_leader.poll(SEND_WAIT_MS, zmq.POLLOUT):  # a bounded wait, never an unbounded one
+                    raise zmq.Again()
+                self._to_leader.send_pyobj(msg, zmq.NOBLOCK)
             except zmq.Again:
                 for rid, _, _ in requests:
                     self._drop(rid)
