@@ -59,9 +59,17 @@ class LatentUpProjection(nn.Module):
             w = w.dequantize()
         param.data.copy_(w[mine])
 
+    def float32(self) -> torch.Tensor:
+        """The weight in float32, where attention computes: converted once, not at every layer of every step."""
+        cached = self.__dict__.get("_float32")
+        if cached is None or cached[0] != self.weight.data_ptr():  # rebuilt if the weight moves (model.to(device))
+            cached = (self.weight.data_ptr(), self.weight.float())
+            self._float32 = cached
+        return cached[1]
+
     def split(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [heads, qk_nope, kv_lora], W_UV [heads, v, kv_lora])."""
-        w = self.weight.view(self.heads, self.per_head, -1)
+        """(W_UK [heads, qk_nope, kv_lora], W_UV [heads, v, kv_lora]) in float32."""
+        w = self.float32().view(self.heads, self.per_head, -1)
         return w[:, : self.cfg.qk_nope_head_dim], w[:, self.cfg.qk_nope_head_dim :]
 
 
@@ -145,19 +153,19 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Rows [R, heads, *] over their own keys, read as one 576-wide latent head. Returns [R, heads, v]."""
         w_uk, w_uv = self.kv_b_proj.split()
-        q = torch.cat([torch.einsum("rhd,hdc->rhc", q_nope, w_uk.float()), q_rope], dim=-1)  # [R, heads, lora+rope]
+        q = torch.cat([torch.einsum("rhd,hdc->rhc", q_nope, w_uk), q_rope], dim=-1)  # [R, heads, lora+rope]
         R, width = meta.row_kv_slots.shape
         index, bias = _row_gather(meta, 1, torch.float32)
         keys = cache.view(-1, cache.shape[-1]).index_select(0, index).view(R, width, -1).float()  # [R, width, 576]
         scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scale)  # [R, heads, width]
         latent = torch.bmm(torch.softmax(scores, dim=-1), keys[..., : self.lora])  # [R, heads, lora]
-        return torch.einsum("rhc,hvc->rhv", latent, w_uv.float())
+        return torch.einsum("rhc,hvc->rhv", latent, w_uv)
 
     def _attend_expanded(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, out
     ) -> None:
         """Long chunks (prefill): each sequence's latents expanded to per-head K and V, one SDPA per sequence."""
-        w = self.kv_b_proj.weight.float()
+        w = self.kv_b_proj.float32()
         for i, (start, q_len, kv_len) in enumerate(meta.spans):
             if q_len <= ROW_WISE_MAX_Q:
                 continue
