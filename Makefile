@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum
 PYTEST_ARGS ?=
 
 .PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp bench-spec bench-quant bench-prefix bench-step \
-	gpu-check gpu-bundle gpu-train clean
+	gpu-check gpu-bundle gpu-train deploy-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,9 +30,13 @@ serve: model kernels
 
 # The whole suite (CPU only, at most 20 minutes on 2 cores). Tiers: tests/unit (no engine, seconds), tests/engine
 # (in-process engines), tests/server (real servers and clients), tests/kernels, tests/training.
-test: model kernels
-	bash scripts/test-deps.sh
+test: model kernels deploy-check
 	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
+
+# Render every Kubernetes overlay (kustomize) and validate each object against Kubernetes' and the CRDs' schemas.
+deploy-check: setup
+	bash scripts/test-deps.sh
+	$(PY) scripts/deploy_check.py
 
 # The unit tier alone, for a fast loop (under 2 minutes).
 test-fast: model

@@ -498,8 +498,8 @@ class Engine:
         self.shutdown()
 
 
-def run_follower_node(config: EngineConfig) -> int:
-    """A node other than 0 in a multi-node TP group: run the local ranks until rank 0 shuts them down."""
+def start_follower_ranks(config: EngineConfig) -> list[mp.Process]:
+    """A node other than 0 in a multi-node TP group: start the local ranks, which join rank 0's rendezvous."""
     config.validate()
     if not config.dist_init_addr:
         raise ValueError("--dist-init-addr is required when --node-rank > 0")
@@ -515,6 +515,11 @@ def run_follower_node(config: EngineConfig) -> int:
         )
         p.start()
         procs.append(p)
+    return procs
+
+
+def wait_follower_ranks(procs: list[mp.Process]) -> int:
+    """Run until any local rank ends (rank 0 shut the group down, or a rank failed), then stop the others."""
     wait_sentinels([p.sentinel for p in procs])
     for p in procs:
         if p.is_alive():

@@ -29,6 +29,7 @@ from .generation import (
     request_grammar,
     sampling_params,
 )
+from .load_report import LoadReport
 from .metrics import Metrics
 from .parsers.registry import Parsers
 from .responses import ResponseBuilder, ResponsesRequest, to_chat
@@ -198,6 +199,17 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
             "restarts": supervisor.restarts,
             "last_failure": supervisor.last_failure,
         }
+
+    load_report = LoadReport(supervisor.config, metrics)
+
+    @app.get("/v1/loads")
+    async def loads():
+        """SGLang's load report, which a load-aware gateway polls (server/load_report.py)."""
+        return load_report.loads(live_engine())
+
+    @app.get("/server_info")
+    async def server_info():
+        return load_report.server_info(live_engine(), settings.served_model_name)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -218,7 +218,7 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve
 
-    key = api_key(args) if args.node_rank == 0 else None  # only node 0 serves HTTP
+    key = api_key(args) if args.node_rank == 0 else None  # only node 0 serves the API; others /health, /metrics
     return serve(
         engine_config(args),
         host=args.host,

@@ -9,10 +9,10 @@ import time
 
 import uvicorn
 
-from runtime.engine import run_follower_node
 from worker.config import EngineConfig
 
 from .app import ServerSettings, build_app
+from .follower import serve_follower
 from .metrics import Metrics
 from .parsers.registry import Parsers
 from .supervisor import EngineSupervisor
@@ -66,13 +66,7 @@ def serve(
     request_timeout: float | None = None,
 ) -> int:
     if config.node_rank > 0:
-        log.info(
-            "node %d of %d: starting local TP workers, joining %s",
-            config.node_rank,
-            config.nnodes,
-            config.dist_init_addr,
-        )
-        return run_follower_node(config)
+        return serve_follower(config, host, port)
     t0 = time.monotonic()
     name = config.served_model_name or config.model_path
     spec = config.spec

