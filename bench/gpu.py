@@ -1,8 +1,8 @@
 """GPU throughput: tokens/s eager against captured graphs, plain and with EAGLE, at concurrency 1, 16 and 64.
 
-    python bench/gpu.py [--machine h100] [--out PATH]      (scripts/gpu-check.sh runs it after the `cuda` tests)
+    python bench/gpu.py [--machine h100] [--out PATH] [--moe-layers 4]   (scripts/gpu-check.sh runs it)
 
-Writes bench/results/gpu[-MACHINE].json, or PATH. Two targets:
+Writes bench/results/gpu[-MACHINE].json, or PATH. Four targets:
 - **SmolLM2-135M's shape with random weights**, built by this script with transformers (30 layers, hidden 576, 9 heads,
   3 KV heads, tied 49,152-token vocabulary). Plain decoding costs the same whatever the weights, so this measures
   the step on a host that has only the tokenizer, not the 98 MB GGUF. Its EAGLE run (the shipped head, which accepts
@@ -10,7 +10,10 @@ Writes bench/results/gpu[-MACHINE].json, or PATH. Two targets:
   captured.
 - **The real SmolLM2-135M-Instruct GGUF** with the shipped EAGLE-3 head, when it is present (EAGLEGATE_HOME):
   plain and EAGLE tok/s on MT-bench first turns (or built-in prompts), and how many outputs are identical.
-Every request generates exactly --max-tokens tokens on the random model (ignore_eos); the real model stops at EOS.
+- **Qwen3-MoE's and GLM-4.7-Flash's shapes** with random weights and --moe-layers layers (bench/shaped_models.py):
+  the fused MoE and, for GLM, the latent-attention kernel, eager against captured; Qwen3-MoE plain and with a random
+  EAGLE head (verify cost), GLM plain and drafting with its MTP layer; at tp=2 as well when the host has two GPUs.
+Every request generates exactly --max-tokens tokens on the random models (ignore_eos); the real model stops at EOS.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from provenance import add_machine_option, provenance, result_path  # noqa: E402
+from shaped_models import glm_flash_shaped, qwen3_moe_shaped  # noqa: E402
 
 from runtime.engine import Engine  # noqa: E402
 from speculative.defaults import default_spec_config  # noqa: E402
@@ -92,14 +96,24 @@ def throughput(engine: Engine, prompts: list[list[int]], concurrency: int, param
 
 
 def run_target(
-    model_path: str, prompts_of, concurrencies: list[int], params: SamplingParams, specs: dict[str, SpecConfig]
+    model_path: str,
+    prompts_of,
+    concurrencies: list[int],
+    params: SamplingParams,
+    specs: dict[str, SpecConfig],
+    tp: int = 1,
 ) -> dict:
     results: dict = {}
     for eager in (True, False):
         mode = "eager" if eager else "captured"
         for name, spec in {"plain": SpecConfig(), **specs}.items():
             cfg = EngineConfig(
-                model_path=model_path, dtype="bfloat16", enforce_eager=eager, spec=spec, max_total_tokens=65536
+                model_path=model_path,
+                dtype="bfloat16",
+                enforce_eager=eager,
+                spec=spec,
+                max_total_tokens=65536,
+                tp_size=tp,
             )
             t0 = time.perf_counter()
             with Engine(cfg) as eng:
@@ -126,6 +140,28 @@ def run_target(
     return results
 
 
+def run_moe_shaped(out: dict, work: Path, layers: int, ids, conc: list[int], fixed: SamplingParams, save) -> None:
+    """Qwen3-MoE and GLM-4.7-Flash shapes, each plain and with its draft, at tp=1 (and tp=2 on two GPUs)."""
+    from helpers import save_random_eagle_head
+
+    from worker.model.config import load_model_config
+    from worker.model.files import resolve_model
+
+    qwen = qwen3_moe_shaped(work / f"qwen3-moe-shaped-{layers}", layers)
+    head = save_random_eagle_head(work / "qwen3-moe-head", load_model_config(resolve_model(str(qwen))))
+    glm = glm_flash_shaped(work / f"glm-flash-shaped-{layers}", layers)
+    targets = {
+        "qwen3_moe_shaped": (qwen, {"eagle": SpecConfig("EAGLE", str(head), 3, 2, 6, cost_table="off")}),
+        "glm_flash_shaped": (glm, {"mtp": SpecConfig("EAGLE", None, 3, 1, 4, cost_table="off")}),
+    }
+    vocab_ids = [[t % 49000 for t in p] for p in ids]
+    for tp in (1, 2) if torch.cuda.device_count() >= 2 else (1,):
+        for name, (folder, specs) in targets.items():
+            key = name if tp == 1 else f"{name}_tp{tp}"
+            out[key] = run_target(str(folder), lambda tok: vocab_ids, conc, fixed, specs, tp=tp) | {"layers": layers}
+            save()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="results file (default: bench/results/gpu[-MACHINE].json)")
@@ -133,6 +169,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--work", default="/tmp/eaglegate-gpu-bench")
+    p.add_argument("--moe-layers", type=int, default=4, help="layers of the MoE-shaped models (0: skip them)")
     args = p.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
     out: dict = {
@@ -157,6 +194,8 @@ def main() -> int:
         {"eagle_gpu_tree": dataclasses.replace(default_spec_config(), **GPU_TREE)},
     )
     save()
+    if args.moe_layers:
+        run_moe_shaped(out, Path(args.work), args.moe_layers, ids, conc, fixed, save)
     if (default_model_dir() / GGUF_NAME).exists():
         questions = PROMPTS
         mt = eaglegate_home() / "data" / "mt_bench_question.jsonl"

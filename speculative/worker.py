@@ -20,6 +20,7 @@ from worker.kernels.triton_attention import MAX_TREE_NODES
 from worker.model.attention import build_attention_metadata
 from worker.model.files import ModelLoadError
 from worker.model.layers import pack_cpu_linears, quantize_linears
+from worker.model.moe import pack_fused_moe
 from worker.model.seq_slice import SeqSlice, TreeKeys, slots_of
 from worker.protocol import SpecPlan
 from worker.runner import ModelRunner, kv_caches
@@ -119,7 +120,10 @@ def load_draft(config: EngineConfig, runner: ModelRunner, tp: TPGroup) -> DraftH
             raise ModelLoadError(
                 "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path (an EAGLE-3 head)"
             )
-        return load_mtp_draft(config, runner.source, runner.model, tp, runner.dtype)
+        draft = load_mtp_draft(config, runner.source, runner.model, tp, runner.dtype)
+        if runner.fused_moe:  # its MoE layer on the target's fused kernels too
+            pack_fused_moe(draft)
+        return draft
     max_pos = runner.model.rope.cos.shape[0]
     return load_draft_head(resolve_draft_path(spec.draft_model_path), runner.model, tp, runner.dtype, max_pos)
 

@@ -62,6 +62,14 @@ class TPGroup:
             dist.broadcast(x, src=src, group=self.cpu_group)
         return x
 
+    def broadcast_device(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank src's tensor overwrites everyone's, on the device group (NCCL/RCCL on GPUs): no host copy, so a
+        captured graph can hold it."""
+        if self.size > 1:
+            self._record("broadcast", x)
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def broadcast_object(self, obj=None, src: int = 0):
         """Pickle on rank src, one length broadcast then one payload broadcast on the control group."""
         if self.size == 1:

@@ -17,6 +17,7 @@ from worker.kernels.cuda_graph import GraphRunner, StaticBuffers, capture_sizes,
 from worker.model.attention import build_attention_metadata
 from worker.model.files import ModelSource
 from worker.model.loader import load_target, resolve_dtype
+from worker.model.moe import pack_fused_moe
 from worker.model.seq_slice import SeqSlice
 from worker.protocol import ForwardPlan
 
@@ -57,13 +58,8 @@ CPU_DEFAULT_MAX_TOKENS = 32768
 GRAPH_MAX_CHUNK = 64  # a sequence's rows in a step up to which it may replay a graph (prefill chunks run eagerly)
 
 
-def resolve_attention_backend(name: str, device: torch.device, mla: bool = False) -> str:
-    """auto: the Triton paged kernels on GPUs, the reference path on CPU. Latent attention runs on the torch path
-    (its paged Triton kernel is not built)."""
-    if mla:
-        if name == "triton":
-            logger.warning("latent attention has no Triton kernel; it runs on the torch attention path")
-        return "torch"
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto: the Triton paged kernels on GPUs (latent attention's own among them), the reference path on CPU."""
     return name if name != "auto" else ("triton" if device.type == "cuda" else "torch")
 
 
@@ -72,7 +68,11 @@ class ModelRunner:
         self.config, self.tp, self.source = config, tp, source
         self.dtype = resolve_dtype(config.dtype, tp.device)
         self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device, self.model_cfg.mla)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device)
+        self.fused_moe = self.attention_backend == "triton" and self.model_cfg.num_experts > 0
+        if self.fused_moe and pack_fused_moe(self.model) < len(self.model_cfg.moe_layers):
+            self.fused_moe = False
+            logger.warning("int4/int8 experts have no fused MoE kernel: MoE layers run expert by expert, uncaptured")
         self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend, self.model_cfg.mla)
         self.block_size = config.block_size
         self.num_blocks = self._agree_num_blocks()
@@ -100,13 +100,13 @@ class ModelRunner:
 
     def _graph_mode(self) -> str | None:
         """ "capture" on CUDA/HIP with the Triton backend unless --enforce-eager; "static" for the CPU tests (the
-        graph path's buffers and padding without capture); None: eager. MoE routing reads expert ids on the
-        host and collective traces record each call, so neither can be captured."""
+        graph path's buffers and padding without capture); None: eager. MoE layers that run expert by expert read
+        expert ids on the host, and collective traces record each call, so neither can be captured."""
         c = self.config
         if (
             c.enforce_eager
             or self.attention_backend != "triton"
-            or self.model_cfg.num_experts
+            or (self.model_cfg.num_experts and not self.fused_moe)
             or c.debug_collective_trace
         ):
             return None

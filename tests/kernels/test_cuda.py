@@ -95,12 +95,18 @@ def test_block_fp8_gemm_on_the_gpu_matches_dequantized_float32():
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-2
 
 
-def test_latent_attention_moe_with_its_mtp_draft_on_the_gpu_matches_the_cpu(tmp_path):
-    """GLM-4.7-Flash's structure in small on the GPU (torch latent attention, eager MoE), drafting with its MTP
-    layer: float32 greedy output equals the CPU's plain greedy output."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe_lite"])
+def test_moe_and_latent_attention_captured_on_the_gpu_match_eager_and_the_cpu(tmp_path, arch):
+    """Fused MoE (and for GLM-4.7-Flash's shape the Triton latent attention) on the GPU: float32 greedy output
+    captured equals eager equals the CPU's; drafting with the MTP layer keeps it."""
     from helpers import save_tiny_model
 
-    folder = save_tiny_model(tmp_path, "glm4_moe_lite", heads=8, kv_heads=8, layers=3, seed=5)
+    folder = save_tiny_model(tmp_path, arch, heads=8, kv_heads=8 if "lite" in arch else 4, layers=3, seed=5)
     cpu = _generate(folder, device="cpu", dtype="float32")[0]
-    spec = SpecConfig("EAGLE", None, num_steps=2, eagle_topk=2, num_draft_tokens=6, cost_table="off")
-    assert _generate(folder, device="cuda", dtype="float32", spec=spec)[0] == cpu
+    captured, replays = _generate(folder, device="cuda", dtype="float32")
+    assert captured == cpu and replays > 0
+    eager, replays = _generate(folder, device="cuda", dtype="float32", enforce_eager=True)
+    assert eager == cpu and replays == 0
+    if "lite" in arch:
+        spec = SpecConfig("EAGLE", None, num_steps=2, eagle_topk=2, num_draft_tokens=6, cost_table="off")
+        assert _generate(folder, device="cuda", dtype="float32", spec=spec)[0] == cpu

@@ -321,7 +321,7 @@ def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(s
     tree = descendants(s.proc.pid)
     url = s.base_url + "/v1/chat/completions"
     plain = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Tell me about owls."}]}
-    streaming = plain | {"max_tokens": 48, "ignore_eos": True, "stream": True, "temperature": 0}
+    streaming = plain | {"max_tokens": 32, "ignore_eos": True, "stream": True, "temperature": 0}
     try:
         assert httpx.get(s.base_url + "/health/ready", timeout=60).status_code == 200
         streams = [{} for _ in range(2)]
@@ -347,7 +347,7 @@ def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(s
         # SIGTERM while streams run
         streams = [{} for _ in range(3)]
         threads = [
-            threading.Thread(target=_stream_chat, args=(s.base_url, streaming | {"max_tokens": 96}, o)) for o in streams
+            threading.Thread(target=_stream_chat, args=(s.base_url, streaming | {"max_tokens": 64}, o)) for o in streams
         ]
         for t in threads:
             t.start()

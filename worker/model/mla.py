@@ -8,7 +8,8 @@ rotated rope key (qk_rope_head_dim values), 576 for the published shapes, shared
 Decode and verify rows attend in the latent space: q_h . k_h = (W_UK_h^T q_nope_h) . c + q_rope_h . k_rope, so the
 query is absorbed into a 576-wide vector, the cache is read as one shared key/value head, and W_UV_h is applied once
 to the weighted latent. Prefill chunks expand K and V per head and run SDPA. Both give the same logits within
-float32 rounding (tests/engine/test_mla.py). Tensor parallelism splits the heads; every rank caches the whole latent.
+float32 rounding (tests/engine/test_mla.py). With the Triton backend every row, prefill included, takes the absorbed
+form through worker/kernels/triton_mla.py. Tensor parallelism splits the heads; every rank caches the whole latent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from worker.dist import TPGroup
 from worker.kernels.fp8_gemm import Fp8Tensor
 from worker.kernels.quant import QTensor
+from worker.kernels.triton_mla import triton_mla_attend
 from worker.model.attention import ROW_WISE_MAX_Q, AttentionMetadata, _row_gather
 from worker.model.config import ModelConfig
 from worker.model.layers import (
@@ -138,6 +140,12 @@ class MLAttention(nn.Module):
         k_rope = rotate(k_rope.float().unsqueeze(1), cos, sin, self.interleaved)
         latent = torch.cat([self.kv_a_layernorm(c.contiguous()).float().unsqueeze(1), k_rope], dim=-1)
         k_cache.index_copy_(0, meta.slot_mapping, latent.to(k_cache.dtype))
+        if meta.paged is not None:  # the Triton backend: every row in the absorbed form, nothing read on the host
+            w_uk, w_uv = self.kv_b_proj.split()
+            q_lat = torch.einsum("nhd,hdc->nhc", q_nope.float(), w_uk)
+            lat = triton_mla_attend(q_lat, q_rope, k_cache, meta.paged, meta.block_size, self.scale)
+            out = torch.einsum("nhc,hvc->nhv", lat, w_uv)
+            return self.o_proj(out.to(x.dtype).reshape(n, -1))
         out = torch.empty(n, self.heads, self.v_dim, dtype=torch.float32, device=x.device)
         rows = meta.row_index
         if rows is not None:

@@ -2,7 +2,9 @@
 
 Each rank holds a slice of every expert and one all-reduce adds the partial sums, right only if all ranks route a
 token alike. Router logits can differ by a bit across ranks (ROCm's all-reduce) and flip a top-k tie, so rank 0
-routes in float32 and broadcasts the choice (one broadcast per MoE layer).
+routes in float32 and broadcasts the choice (one device broadcast per MoE layer: no host sync, so GPU steps can be
+captured). With the Triton backend the experts run as two fused grouped GEMMs (worker/kernels/fused_moe.py); on the
+CPU path each expert used takes its own rows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.dist import TPGroup
+from worker.kernels.fp8_gemm import Fp8Tensor
+from worker.kernels.fused_moe import ExpertWeights, fused_experts
 from worker.model.config import ModelConfig
 from worker.model.layers import GatedMLP, _check_shape, _param
 
@@ -76,13 +80,14 @@ class SparseMoE(nn.Module):
         self.router_noise, self.local_routing = router_noise * tp.rank, local_routing
         self.noise = torch.Generator(device=tp.device)
         self.noise.manual_seed(2000 + tp.rank)
+        self.fused: tuple[ExpertWeights, ExpertWeights] | None = None  # pack_fused(): the Triton backend's layout
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(expert ids [n, k], weights [n, k] float32, shared-expert scale [n, 1] or None), identical on every
-        rank."""
+        rank. Packed in float32, which holds expert ids and float32 weights exactly."""
         n, k = x.shape[0], self.cfg.experts_per_token
         gated = self.cfg.shared_expert_gate
-        packed = torch.empty(n, 2 * k + gated, dtype=torch.float64)
+        packed = torch.empty(n, 2 * k + gated, dtype=torch.float32, device=x.device)
         if self.tp.is_leader or self.local_routing:
             xf = x.float()
             logits = F.linear(xf, self.gate.weight)
@@ -91,28 +96,60 @@ class SparseMoE(nn.Module):
                     logits.shape, generator=self.noise, device=logits.device
                 )
             weights, ids = top_k_routing(logits, self.cfg, getattr(self.gate, "e_score_correction_bias", None))
-            packed[:, :k], packed[:, k : 2 * k] = ids.cpu(), weights.cpu()  # float64 holds both exactly
+            packed[:, :k], packed[:, k : 2 * k] = ids, weights
             if gated:
-                packed[:, 2 * k :] = torch.sigmoid(F.linear(xf, self.gate.shared_expert_weight)).cpu()
+                packed[:, 2 * k :] = torch.sigmoid(F.linear(xf, self.gate.shared_expert_weight))
         if not self.local_routing:
-            self.tp.broadcast_tensor(packed)
-        ids, weights = packed[:, :k].long(), packed[:, k : 2 * k].float()
+            self.tp.broadcast_device(packed)
+        ids, weights = packed[:, :k].long(), packed[:, k : 2 * k]
         if self.tp.trace is not None:  # tests: the routing this rank applied, to compare across ranks
-            self.tp.trace.append(("moe_routing", [n, k], hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16]))
-        shared = packed[:, 2 * k :].float().to(x.device) if gated else None
-        return ids.to(x.device), weights.to(x.device), shared
+            digest = hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest()[:16]
+            self.tp.trace.append(("moe_routing", [n, k], digest))
+        return ids, weights, packed[:, 2 * k :] if gated else None
+
+    def pack_fused(self) -> bool:
+        """Stack the experts' weights for the fused kernels (the Triton backend) and free the per-expert copies.
+        Dense and block-FP8 experts stack; int4/int8 ones keep the per-expert path. Returns whether it packed."""
+        ups = [e.gate_up_proj for e in self.experts]
+        downs = [e.down_proj for e in self.experts]
+        up, down = _stack(ups), _stack(downs)
+        if up is None or down is None:
+            return False
+        self.fused = (up, down)
+        for mod in ups + downs:  # the stacked copy is the only one now
+            mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype, device=mod.weight.device), False)
+            mod.qweight = None
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights, shared_scale = self.route(x)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            y = self.experts[e].partial(x[rows]).float() * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
+        if self.fused is not None:
+            out = fused_experts(x, ids, weights, *self.fused)
+        else:
+            out = torch.zeros_like(x, dtype=torch.float32)
+            for e in torch.unique(ids).tolist():
+                rows, slot = torch.nonzero(ids == e, as_tuple=True)
+                y = self.experts[e].partial(x[rows]).float() * weights[rows, slot, None]
+                out.index_add_(0, rows, y)
         if hasattr(self, "shared_experts"):  # its partial sum joins the routed ones: still one all-reduce
             y = self.shared_experts.partial(x).float()
             out += y * shared_scale if shared_scale is not None else y
         return self.tp.all_reduce(out).to(x.dtype)
+
+
+def _stack(mods: list[nn.Module]) -> ExpertWeights | None:
+    """One weight per expert -> [experts, out, in]: dense, or block-FP8 codes with their scales (square blocks)."""
+    q = [m.qweight for m in mods]
+    if all(w is None for w in q) and all(m.packed is None for m in mods):
+        return ExpertWeights(torch.stack([m.weight.data for m in mods]))
+    if all(isinstance(w, Fp8Tensor) and w.block[0] == w.block[1] for w in q):
+        return ExpertWeights(torch.stack([w.codes for w in q]), torch.stack([w.scale for w in q]), q[0].block[0])
+    return None
+
+
+def pack_fused_moe(model: nn.Module) -> int:
+    """Every MoE layer of the model onto the fused kernels where its weights allow; returns how many."""
+    return sum(m.pack_fused() for m in model.modules() if isinstance(m, SparseMoE))
 
 
 def moe_param_map(src: str, dst: str, cfg: ModelConfig) -> dict:
