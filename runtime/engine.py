@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -23,6 +24,7 @@ import zmq
 
 from worker.config import EngineConfig
 from worker.dist import free_port
+from worker.forensics import read_heartbeats
 from worker.model.config import load_model_config
 from worker.model.files import forget_gguf, resolve_model
 from worker.model.loader import check_tp_divisibility
@@ -130,6 +132,7 @@ class Engine:
         self.observer_errors = 0  # observer (on_step/on_fatal) calls that raised
         self._sinks: dict[str, _Sink] = {}
         self._prompt_tokens = 0  # of the requests in _sinks
+        self.final_heartbeats: list[dict | None] | None = None  # the ranks' last heartbeats when the group died
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._dead_event = threading.Event()
@@ -239,8 +242,14 @@ class Engine:
         dead = [p for p in self._procs if p.exitcode is not None]
         return "; ".join(f"worker {p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
 
+    def rank_heartbeats(self) -> list[dict | None]:
+        """Each of this node's ranks: its last step, when, its fingerprint and its collective (worker/forensics.py)."""
+        return read_heartbeats(Path(self._ipc_dir), self.config.local_tp_size)
+
     def _mark_dead(self, reported: str) -> None:
         """Fail every pending request. A rank-0 report and the exit codes of dead workers make the reason."""
+        if self.final_heartbeats is None:
+            self.final_heartbeats = self.rank_heartbeats()  # what each rank last did, before its files go
         if not self._closing:
             # a dead follower makes rank 0 report a broken pipe; give the exit codes a moment to show
             deadline = time.monotonic() + 1.0

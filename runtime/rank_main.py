@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from speculative.leader import make_spec_follower, make_spec_leader
 from worker.config import EngineConfig
 from worker.dist import TPGroup
+from worker.forensics import FlightRecorder, Heartbeat, heartbeat_path
 from worker.kernels.quant import resolve_quantization
 from worker.leader import Leader, follower_step
 from worker.model.files import forget_gguf, resolve_model
@@ -76,6 +79,9 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
             outbox.setsockopt(zmq.LINGER, 2000)
             outbox.connect(out_addr)
         tp = init_group(config, rank, local_rank, init_method)
+        tp.recorder = FlightRecorder(rank)
+        if out_addr:  # node 0: the heartbeat beside the engine's sockets, where the front end reads it
+            tp.heartbeat = Heartbeat(heartbeat_path(Path(out_addr.removeprefix("ipc://")).parent, rank))
         if config.debug_collective_trace:
             tp.trace = []
         source = resolve_model(config.model_path)
@@ -87,6 +93,9 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
         else:
             _follow(config, runner, tp)
     except BaseException as e:  # report, then exit non-zero so the supervisor fails fast
+        if config.crash_dump_folder and tp is not None and tp.recorder.records:
+            group = hashlib.sha1(init_method.encode()).hexdigest()[:10]  # one folder per worker group
+            tp.recorder.dump(Path(config.crash_dump_folder), group, tp.size, e)
         if outbox is not None:
             outbox.send_pyobj(Fatal(f"rank {rank}: {type(e).__name__}: {e}", type(e).__name__))
             outbox.close(linger=2000)  # deliver the report before exiting: os._exit drops queued messages

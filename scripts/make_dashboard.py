@@ -56,6 +56,21 @@ PANELS = [
         ],
     ),
     (
+        "Accept length and acceptance rate, last 10 s (SGLang's gauges)",
+        "short",
+        "timeseries",
+        [
+            ("accept length", "max(eaglegate_spec_accept_length_mean)"),
+            ("acceptance rate", "max(eaglegate_spec_accept_rate)"),
+        ],
+    ),
+    (
+        "Per-request accept length (p10, p50): requests whose drafts stopped landing",
+        "short",
+        "timeseries",
+        [(f"p{int(q * 100)}", Q.format(q=q, by="", m="request_spec_accept_length")) for q in (0.1, 0.5)],
+    ),
+    (
         "Decode steps by kind (rank 0's budget)",
         "short",
         "timeseries",
@@ -135,6 +150,12 @@ PANELS = [
         ],
     ),
     ("Engine steps per second", "short", "timeseries", [("steps", "sum(rate(eaglegate_engine_steps_total[1m]))")]),
+    (
+        "Requests refused for load (per s)",
+        "reqps",
+        "timeseries",
+        [("{{status}}", "sum by (status) (rate(eaglegate_requests_rejected_total[1m]))")],
+    ),
     ("Prefix cache", None, None, []),
     (
         "Prefix cache hit rate (prompt tokens not prefilled)",

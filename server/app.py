@@ -35,6 +35,7 @@ from .parsers.registry import Parsers
 from .responses import ResponseBuilder, ResponsesRequest, to_chat
 from .responses_stream import responses_stream
 from .schemas import ChatCompletionRequest, CompletionRequest, new_id, now
+from .tracing import Tracing
 
 log = logging.getLogger("eaglegate.api")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -51,6 +52,7 @@ class ServerSettings:
     parsers: Parsers = Parsers()  # --reasoning-parser, --tool-call-parser
     max_new_tokens_default: int | None = None  # max_tokens where a request leaves it out (None: the context's rest)
     request_timeout: float | None = None  # seconds at rank 0 after which a request finishes with "timeout"
+    otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector for one span per request (server/tracing.py)
 
 
 class GuardMiddleware:
@@ -201,6 +203,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         }
 
     load_report = LoadReport(supervisor.config, metrics)
+    tracing = Tracing(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
+    app.state.tracing = tracing
+
+    def span(operation: str, model: str, request_id: str, raw: Request):
+        return tracing.start(operation, model, request_id, raw.headers) if tracing is not None else None
 
     @app.get("/v1/loads")
     async def loads():
@@ -210,6 +217,21 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     @app.get("/server_info")
     async def server_info():
         return load_report.server_info(live_engine(), settings.served_model_name)
+
+    @app.get("/debug/ranks")
+    async def debug_ranks():
+        """This node's ranks side by side (worker/forensics.py), and those of the last group that failed."""
+        engine = supervisor.engine
+
+        def side_by_side(beats: list[dict | None] | None) -> list[dict] | None:
+            return None if beats is None else [{"rank": r} | (b or {"missing": True}) for r, b in enumerate(beats)]
+
+        return {
+            "alive": engine.is_alive,
+            "ranks": side_by_side(engine.rank_heartbeats()),
+            "last_failure": supervisor.last_failure,
+            "failed_group": side_by_side(supervisor.failed_ranks),
+        }
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -252,12 +274,17 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
             sampling_params(engine, req, len(prompt), max_tokens, k, i, setup.grammar, settings) for i in range(req.n)
         ]
         rid = new_id("chatcmpl")
-        choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop, setup.keep)
+        traced = span("chat", req.model, rid, raw)
+        choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop, setup.keep, traced)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(_chat_stream(engine, req, rid, choices, include_usage, setup))
         return await _collect(
-            raw, choices, lambda evs: _chat_response(engine, req, rid, evs, setup, choices.cached_tokens(req.n))
+            raw,
+            choices,
+            lambda evs: _with_spec(
+                req, choices, _chat_response(engine, req, rid, evs, setup, choices.cached_tokens(req.n))
+            ),
         )
 
     @app.post("/v1/responses")
@@ -271,7 +298,9 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
             sampling_params(engine, chat, len(prompt), chat.max_completion_tokens, None, 0, setup.grammar, settings)
         ]
         build = ResponseBuilder(req)
-        choices = ChoiceSet(engine, metrics, build.id, [prompt], params, [], setup.keep)
+        choices = ChoiceSet(
+            engine, metrics, build.id, [prompt], params, [], setup.keep, span("chat", req.model, build.id, raw)
+        )
         count = functools.partial(reasoning_tokens, engine.tokenizer)
         if req.stream:
             return _sse(responses_stream(build, choices, len(prompt), setup.make_parser(), count), events=True)
@@ -295,7 +324,9 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
             for i, p in enumerate(expanded)
         ]
         rid = new_id("cmpl")
-        choices = ChoiceSet(engine, metrics, rid, expanded, params, req.stop)
+        choices = ChoiceSet(
+            engine, metrics, rid, expanded, params, req.stop, span=span("text_completion", req.model, rid, raw)
+        )
         prompt_tokens = sum(len(p) for p in prompts)
         echo = [engine.tokenizer.decode(p) if req.echo else "" for p in expanded]
         if req.stream:
@@ -304,7 +335,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         return await _collect(
             raw,
             choices,
-            lambda evs: _completion_response(engine, req, rid, evs, prompt_tokens, echo, choices.cached_tokens(req.n)),
+            lambda evs: _with_spec(
+                req,
+                choices,
+                _completion_response(engine, req, rid, evs, prompt_tokens, echo, choices.cached_tokens(req.n)),
+            ),
         )
 
     return app
@@ -339,6 +374,13 @@ async def _collect(raw: Request, choices: ChoiceSet, build) -> JSONResponse:
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
     task.result()
     return JSONResponse(build(events))
+
+
+def _with_spec(req, choices: ChoiceSet, body: dict) -> dict:
+    """`return_spec_metrics`: the request's speculation figures beside usage (null when it did not speculate)."""
+    if req.return_spec_metrics:
+        body["spec_metrics"] = choices.spec_metrics()
+    return body
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning: int | None = None) -> dict:
@@ -522,6 +564,8 @@ async def _chat_stream(engine, req, rid, choices: ChoiceSet, include_usage: bool
     if include_usage:
         count = sum(reasoning_tokens(engine.tokenizer, r) for r in reasoning.values()) if setup.reasoning else None
         yield chunk([], _usage(len(setup.prompt), sum(completion.values()), choices.cached_tokens(req.n), count))
+    if req.return_spec_metrics:  # a last chunk with no choices, as the usage chunk is
+        yield _with_spec(req, choices, chunk([]))
 
 
 async def _completion_stream(
@@ -549,3 +593,5 @@ async def _completion_stream(
             yield chunk([{"index": ev.index, "text": text, "logprobs": lps, "finish_reason": ev.finish_reason}])
     if include_usage:
         yield chunk([], _usage(prompt_tokens, sum(completion.values()), choices.cached_tokens(req.n)))
+    if req.return_spec_metrics:
+        yield _with_spec(req, choices, chunk([]))

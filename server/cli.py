@@ -1,4 +1,5 @@
-"""`eaglegate` command line: serve (default), fetch-model, generate, train-draft, distill. SGLang's flag names."""
+"""`eaglegate` command line: serve (default), fetch-model, generate, replay, train-draft, distill. SGLang's flag
+names."""
 
 from __future__ import annotations
 
@@ -147,6 +148,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="compare rank state fingerprints every N steps (0: off)",
     )
+    p.add_argument(
+        "--crash-dump-folder",
+        default=None,
+        help="when a rank fails (divergence, collective timeout, error), each rank writes its last steps' plans, "
+        "committed state and fingerprints here; `eaglegate replay FOLDER` names where the ranks parted",
+    )
     p.add_argument("--debug-rank-logit-noise", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--debug-rank-router-noise", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--debug-skip-decision-broadcast", action="store_true", help=argparse.SUPPRESS)
@@ -184,6 +191,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         spec=spec,
         rank_consistency_check_interval=args.rank_consistency_check_interval,
+        crash_dump_folder=args.crash_dump_folder,
         debug_rank_logit_noise=args.debug_rank_logit_noise,
         debug_rank_router_noise=args.debug_rank_router_noise,
         debug_skip_decision_broadcast=args.debug_skip_decision_broadcast,
@@ -232,6 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_worker_restarts=args.max_worker_restarts,
         max_new_tokens_default=args.max_new_tokens_default or None,
         request_timeout=args.request_timeout or None,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -263,6 +272,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import main as replay_main
+
+    return replay_main(args.dump)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after which rank 0 finishes a request with finish_reason 'timeout' and frees its KV (0: none)",
     )
     serve.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="an OTLP/HTTP collector (e.g. http://otel-collector:4318/v1/traces): one span per request, continuing "
+        "the caller's W3C traceparent; off by default",
+    )
+    serve.add_argument(
         "--max-worker-restarts",
         type=int,
         default=5,
@@ -345,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
+    replay = sub.add_parser("replay", help="name the first step and field where a failed group's ranks parted")
+    replay.add_argument("dump", help="a worker group's folder under --crash-dump-folder (rank*.json)")
+    replay.set_defaults(func=cmd_replay)
     sub.add_parser("train-draft", help="train an EAGLE draft head by self-distillation (see train-draft -h)")
     sub.add_parser("distill", help="answer ShareGPT first or second turns with the target, resumably (see distill -h)")
     return parser

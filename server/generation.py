@@ -18,6 +18,7 @@ from worker.sampling.params import (
     SamplingParams,
     TokenLogprobs,
 )
+from worker.stats import SpecCounts
 
 from .detokenizer import IncrementalDetokenizer, kept_token_ids
 from .errors import APIError
@@ -26,6 +27,7 @@ from .parsers.base import BlockCalls
 from .parsers.registry import OutputParser, Parsers
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tools import call_grammar, render_messages, template_knows_tools, tool_mode, tool_schemas
+from .tracing import finish_span
 
 
 @dataclass
@@ -53,6 +55,9 @@ class ChoiceState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    spec: SpecCounts | None = None  # rank 0's speculation figures for this choice, on its last report
+    queue_seconds: float | None = None  # arrival at rank 0 to first scheduling
+    sync_seconds: float = 0.0  # its steps' waits on rank 0's decision broadcasts, on its last report
 
 
 def chat_prompt(
@@ -223,12 +228,28 @@ class ChoiceSet:
         params: list[SamplingParams],
         stop: list[str],
         keep: frozenset[int] = frozenset(),
+        span=None,
     ):
-        """`keep`: special tokens the detokenizer keeps in the text (an output parser's tags)."""
-        self.engine, self.metrics = engine, metrics
+        """`keep`: special tokens the detokenizer keeps in the text (an output parser's tags); `span`: the request's
+        trace span (server/tracing.py), ended with the request's figures when its events end."""
+        self.engine, self.metrics, self.span = engine, metrics, span
         reqs = [(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
         try:
-            handles = engine.add_async(reqs)
+            handles = self._submit(reqs)
+        except BaseException as e:
+            if span is not None:
+                span.record_exception(e)
+                span.end()
+            raise
+        now = time.monotonic()
+        self.choices = [
+            ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop, keep), len(ids), now)
+            for i, (h, ids) in enumerate(zip(handles, prompts))
+        ]
+
+    def _submit(self, reqs) -> list[AsyncRequest]:
+        try:
+            return self.engine.add_async(reqs)
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}", "service_unavailable_error") from e
         except EngineBusyError as e:
@@ -237,15 +258,31 @@ class ChoiceSet:
             raise APIError(503, str(e), "service_unavailable_error", headers=RETRY_AFTER) from e
         except InvalidParameterError as e:
             raise APIError(400, str(e), param=e.param) from e
-        now = time.monotonic()
-        self.choices = [
-            ChoiceState(i, h, IncrementalDetokenizer(engine.tokenizer, stop, keep), len(ids), now)
-            for i, (h, ids) in enumerate(zip(handles, prompts))
-        ]
 
     def cached_tokens(self, n: int) -> int:
         """Cached prompt tokens, counting each prompt once (its n choices share it)."""
         return sum(c.cached_tokens for c in self.choices[::n])
+
+    def spec_metrics(self) -> dict | None:
+        """The request's speculation figures, its choices summed (`return_spec_metrics`); None without any."""
+        counts = [c.spec for c in self.choices if c.spec is not None]
+        if not counts:
+            return None
+        total = SpecCounts()
+        for c in counts:
+            total.add(c)
+        sources = {
+            src: {"drafted": getattr(total, f"{src}_tokens"), "accepted": getattr(total, f"{src}_accepted_tokens")}
+            for src in ("eagle", "context", "corpus")
+        }
+        return {
+            "verify_steps": total.verify_steps,
+            "drafted_steps": total.drafted_steps,
+            "draft_tokens": total.draft_tokens,
+            "accepted_tokens": total.accepted_tokens,
+            "accept_length": round(total.accept_length_mean, 4),
+            "by_source": sources,
+        }
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Merged events of all choices, in arrival order. Leaving early cancels (aborts) the rest."""
@@ -273,11 +310,19 @@ class ChoiceSet:
                 if item.finish_reason is not None:
                     pending -= 1
                 yield item
+        except BaseException as e:
+            if self.span is not None:
+                finish_span(self.span, self.choices, e)
+                self.span = None
+            raise
         finally:
             for t in tasks:
                 t.cancel()
             for c in self.choices:
                 c.handle.cancel()
+            if self.span is not None:
+                finish_span(self.span, self.choices)
+                self.span = None
 
     def _advance(self, c: ChoiceState, out: RequestOutput) -> ChoiceEvent:
         if out.error:
@@ -299,8 +344,14 @@ class ChoiceSet:
             c.last_token_at = now
         if out.queue_seconds is not None:
             lbl(m.queue_time).observe(out.queue_seconds)
+            c.queue_seconds = out.queue_seconds
+        if out.sync_seconds is not None:
+            c.sync_seconds = out.sync_seconds
         c.completion_tokens = out.num_output_tokens
         c.cached_tokens = max(c.cached_tokens, out.cached_tokens)
+        if out.spec is not None and out.spec.verify_steps:
+            c.spec = out.spec
+            lbl(m.request_accept_length).observe(out.spec.accept_length_mean)
         text = c.detok.add(out.token_ids)
         finish = out.finish_reason
         if c.detok.stopped and finish is None:

@@ -6,6 +6,10 @@ never waits on metrics.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (
@@ -34,6 +38,8 @@ LATENCY_BUCKETS = (
 )
 SYNC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))
+REQUEST_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 16.0)
+SPEC_WINDOW_S = 10.0  # SGLang-style speculation gauges average over this much recent time
 
 
 class Metrics:
@@ -77,6 +83,45 @@ class Metrics:
             "Decode steps of speculating requests by the kind rank 0's budget "
             "chose: draft (EAGLE and context), context (context candidates only), plain.",
             ["kind"],
+        )
+        # the same figures under vLLM's names (deploy/prometheus/recording_rules.yml yields the vllm: series)
+        self.vllm_num_drafts = counter(
+            "spec_decode_num_drafts", "Sequence-steps that verified draft candidates (vLLM's num_drafts)."
+        )
+        self.vllm_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (vLLM's name).")
+        self.vllm_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted (vLLM's name)."
+        )
+        self.vllm_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position, 0-based as vLLM counts (position 0: the first draft token).",
+            ["position"],
+        )
+        # SGLang's gauges: over the last SPEC_WINDOW_S seconds of verify steps (0 when none)
+        self._window: deque[tuple[float, int, int, int]] = deque()  # (time, verify steps, accepted, drafted)
+        self._window_lock = threading.Lock()
+        self.accept_length_recent = gauge(
+            "spec_accept_length_mean",
+            f"Tokens committed per verify step over the last {SPEC_WINDOW_S:.0f} s (SGLang's spec_accept_length).",
+        )
+        self.accept_rate_recent = gauge(
+            "spec_accept_rate",
+            f"Accepted over verified draft tokens, last {SPEC_WINDOW_S:.0f} s (SGLang's spec_accept_rate).",
+        )
+        self.labels(self.accept_length_recent).set_function(
+            lambda: self._recent(lambda v, a, d: (v + a) / v if v else 0)
+        )
+        self.labels(self.accept_rate_recent).set_function(lambda: self._recent(lambda v, a, d: a / d if d else 0))
+        self.request_accept_length = hist(
+            "request_spec_accept_length",
+            "Each finished speculating request's mean tokens per verify step: an output-quality alarm per request.",
+            REQUEST_ACCEPT_BUCKETS,
+        )
+        self.rejected = counter(
+            "requests_rejected",
+            "Requests refused before reaching rank 0, by status: 429 (request or token limits), 503 (draining, "
+            "engine down or restarting, rank 0's inbox full).",
+            ["status"],
         )
         # cross-rank decision sync
         self.decision_sync = hist(
@@ -144,6 +189,13 @@ class Metrics:
             self.labels(self.spec_accepted_per_position, position=str(pos))
         for reason in ("stop", "length", "abort"):
             self.labels(self.requests, finished_reason=reason)
+        for metric in (self.vllm_num_drafts, self.vllm_num_draft_tokens, self.vllm_num_accepted_tokens):
+            self.labels(metric)
+        self.labels(self.request_accept_length)
+        for pos in range(spec_positions):
+            self.labels(self.vllm_accepted_per_pos, position=str(pos))
+        for status in ("429", "503"):
+            self.labels(self.rejected, status=status)
 
     def labels(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)
@@ -176,6 +228,11 @@ class Metrics:
             self.labels(self.spec_verify_steps).inc(c.verify_steps)
             self.labels(self.spec_draft_tokens).inc(c.draft_tokens)
             self.labels(self.spec_accepted_tokens).inc(c.accepted_tokens)
+            self.labels(self.vllm_num_drafts).inc(c.verify_steps)
+            self.labels(self.vllm_num_draft_tokens).inc(c.draft_tokens)
+            self.labels(self.vllm_num_accepted_tokens).inc(c.accepted_tokens)
+            with self._window_lock:
+                self._window.append((time.monotonic(), c.verify_steps, c.accepted_tokens, c.draft_tokens))
             for source, drafted, accepted in (
                 ("eagle", c.eagle_tokens, c.eagle_accepted_tokens),
                 ("context", c.context_tokens, c.context_accepted_tokens),
@@ -186,8 +243,18 @@ class Metrics:
             for pos, count in enumerate(m.accepted_per_position):
                 if count:
                     self.labels(self.spec_accepted_per_position, position=str(pos + 1)).inc(count)
+                    self.labels(self.vllm_accepted_per_pos, position=str(pos)).inc(count)
         for kind, count in m.spec_steps.items():
             self.labels(self.spec_steps, kind=kind).inc(count)
+
+    def _recent(self, ratio) -> float:
+        """ratio(verify steps, accepted, drafted) over the window's steps, dropping older ones."""
+        cutoff = time.monotonic() - SPEC_WINDOW_S
+        with self._window_lock:
+            while self._window and self._window[0][0] < cutoff:
+                self._window.popleft()
+            sums = [sum(x[i] for x in self._window) for i in (1, 2, 3)]
+        return float(ratio(*sums))
 
     def _count(self, key: str, metric, total: int) -> None:
         """Counters from rank 0's running totals; a restarted engine counts from zero again."""

@@ -108,6 +108,7 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     regex: str | None = None  # SGLang's extras: constrain the output to a regex or an EBNF grammar
     ebnf: str | None = None
+    return_spec_metrics: bool = False  # the response carries `spec_metrics`: this request's speculation figures
     # OpenAI fields accepted and ignored: they do not change the output (README: "Accepted and ignored")
     user: str | None = None
     store: bool | None = None

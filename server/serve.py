@@ -64,6 +64,7 @@ def serve(
     max_worker_restarts: int = 5,
     max_new_tokens_default: int | None = None,
     request_timeout: float | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> int:
     if config.node_rank > 0:
         return serve_follower(config, host, port)
@@ -91,6 +92,7 @@ def serve(
         parsers=parsers,
         max_new_tokens_default=max_new_tokens_default,
         request_timeout=request_timeout,
+        otlp_traces_endpoint=otlp_traces_endpoint,
     )
     app = build_app(supervisor, settings, metrics)
     print(
@@ -110,6 +112,8 @@ def serve(
         server.run()
     finally:
         supervisor.shutdown()
+        if app.state.tracing is not None:
+            app.state.tracing.shutdown()  # the last spans reach the collector
     if supervisor.gave_up:
         print(f"eaglegate: stopped: the worker group failed too often ({supervisor.last_failure})", flush=True)
         return 1

@@ -35,6 +35,7 @@ class EngineSupervisor:
         self.recent: deque[float] = deque()  # failures within RESTART_WINDOW_S
         self.gave_up = False
         self.last_failure: str | None = None
+        self.failed_ranks: list[dict | None] | None = None  # the last failed group's final heartbeats
         self.restarting = False
         self._closing = False
         self.engine = self._start()
@@ -51,6 +52,7 @@ class EngineSupervisor:
             if self._closing:
                 return
             self.last_failure = engine.dead_reason
+            self.failed_ranks = engine.final_heartbeats
             log.error("engine failed: %s", self.last_failure)
             if not self.restart:
                 log.error("not restarting (--no-restart-workers); /health stays red")

@@ -129,7 +129,7 @@ class SpecLeader(Leader):
             ],
             kind == budget.DRAFT,
         )
-        self.broadcast_plan(step)
+        self.broadcast_plan(step, seqs)
         lead = LeaderState(seqs, self.worker.head, cost, est, [key for _, key in found])
         self.channel.seconds = {}
         result: SpecResult = self.worker.run(step, SpecDecisions(self.channel, self.config, len(seqs), lead))
@@ -137,6 +137,9 @@ class SpecLeader(Leader):
         m = self.step_metrics
         for kind, seconds in self.channel.seconds.items():
             m.sync_seconds.setdefault(kind, []).extend(seconds)
+        waited = sum(sum(seconds) for seconds in self.channel.seconds.values())
+        for seq in seqs:  # each sequence of the step waited for every draft and verify decision
+            seq.sync_seconds += waited
         for phase, seconds in result.timings.items():
             m.phase_seconds.setdefault(phase, []).append(seconds)
         self.check(step, _committed(step, result.commits) + self.channel.state())
@@ -189,6 +192,9 @@ class SpecLeader(Leader):
             )
             t.add(counts)
             m.spec.add(counts)
+            if seq.spec is None:
+                seq.spec = SpecCounts()
+            seq.spec.add(counts)
             m.accept_lengths.append(a + 1)
             for i in range(a):
                 per_pos[i] += 1

@@ -81,6 +81,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     # reliability
     rank_consistency_check_interval: int = 1
+    crash_dump_folder: str | None = None  # where each rank writes its last steps when it fails (worker/forensics.py)
     debug_rank_logit_noise: float = 0.0
     debug_rank_router_noise: float = 0.0  # tests: MoE router logits get rank * this much noise (rank 0 none)
     debug_skip_decision_broadcast: bool = False

@@ -27,10 +27,18 @@ class TPGroup:
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
     trace: list | None = None  # tests (--debug-collective-trace): (collective, shape, dtype) of each call
+    heartbeat: object | None = None  # worker/forensics.py: Heartbeat, the collective this rank is in
+    recorder: object | None = None  # worker/forensics.py: FlightRecorder, this rank's last steps
 
     def _record(self, name: str, x: torch.Tensor) -> None:
         if self.trace is not None:
             self.trace.append((name, list(x.shape), str(x.dtype).removeprefix("torch.")))
+        if self.heartbeat is not None:
+            self.heartbeat.enter(name)
+
+    def _left(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.leave()
 
     @property
     def is_leader(self) -> bool:
@@ -43,8 +51,10 @@ class TPGroup:
                 # sum the ranks' partials in float32 and round once (gloo would round after every addition)
                 wide = x.float()
                 dist.all_reduce(wide, group=self.group)
+                self._left()
                 return wide.to(x.dtype)
             dist.all_reduce(x, group=self.group)
+            self._left()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +63,7 @@ class TPGroup:
         self._record("all_gather", x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        self._left()
         return torch.cat(parts, dim=-1)
 
     def broadcast_tensor(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -60,14 +71,16 @@ class TPGroup:
         if self.size > 1:
             self._record("broadcast", x)
             dist.broadcast(x, src=src, group=self.cpu_group)
+            self._left()
         return x
 
     def broadcast_device(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank src's tensor overwrites everyone's, on the device group (NCCL/RCCL on GPUs): no host copy, so a
         captured graph can hold it."""
         if self.size > 1:
-            self._record("broadcast", x)
+            self._record("broadcast_device", x)
             dist.broadcast(x, src=src, group=self.group)
+            self._left()
         return x
 
     def broadcast_object(self, obj=None, src: int = 0):
@@ -79,11 +92,14 @@ class TPGroup:
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
+        if self.heartbeat is not None:
+            self.heartbeat.enter("broadcast_object")
         dist.broadcast(length, src=src, group=self.cpu_group)
         if self.rank != src:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
         self._record("broadcast_object", payload)
         dist.broadcast(payload, src=src, group=self.cpu_group)
+        self._left()
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
     def all_gather_int64(self, values: torch.Tensor) -> torch.Tensor:
@@ -93,6 +109,7 @@ class TPGroup:
         self._record("all_gather_int64", values)
         out = [torch.empty_like(values) for _ in range(self.size)]
         dist.all_gather(out, values, group=self.cpu_group)
+        self._left()
         return torch.stack(out)
 
 

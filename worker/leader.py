@@ -193,7 +193,7 @@ class Leader:
         """One target forward over the batch; every sequence that reached its end samples one token."""
         self.step_no += 1
         plan = self.build_plan(batch)
-        self.broadcast_plan(plan)
+        self.broadcast_plan(plan, [item.seq for item in batch])
         logits, _, _ = self.runner.forward(plan)
         sampled = [item for item in batch if item.samples]
         for item in batch:
@@ -204,13 +204,17 @@ class Leader:
             self._sample_and_append(item.seq, logits[row])
         self.check(plan, committed_lengths(plan))
 
-    def broadcast_plan(self, plan: StepPlan) -> None:
-        """The per-step control broadcast: followers run exactly what rank 0 decided."""
+    def broadcast_plan(self, plan: StepPlan, seqs: list[Sequence]) -> None:
+        """The per-step control broadcast: followers run exactly what rank 0 decided. Each sequence of the step
+        is charged the wait (its trace's decision-sync time)."""
         if self.tp.size == 1:
             return
         t0 = time.perf_counter()
         self.tp.broadcast_object(plan)
-        self.step_metrics.add_sync("control", time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        self.step_metrics.add_sync("control", waited)
+        for seq in seqs:
+            seq.sync_seconds += waited
 
     def check(self, plan: StepPlan, committed: list[int]) -> None:
         if maybe_check(self.config, self.tp, plan, committed):
@@ -263,6 +267,8 @@ class Leader:
                 len(seq.output_ids),
                 queue_seconds=queued,
                 cached_tokens=seq.num_hit_tokens,
+                spec=seq.spec if seq.finish_reason is not None else None,
+                sync_seconds=seq.sync_seconds if seq.finish_reason is not None else None,
             )
         )
         seq.pending_tokens, seq.pending_logprobs = [], []
@@ -334,7 +340,12 @@ def committed_lengths(plan: ForwardPlan) -> list[int]:
 def maybe_check(config: EngineConfig, tp: TPGroup, plan: StepPlan, committed: list[int]) -> bool:
     """Run the divergence guard on the steps its interval selects; True when it ran (and passed)."""
     interval = config.rank_consistency_check_interval
+    digest = fingerprint(plan, committed)
+    if tp.recorder is not None:  # worker/forensics.py: the flight recorder and the heartbeat
+        tp.recorder.record(plan, committed, digest)
+    if tp.heartbeat is not None:
+        tp.heartbeat.step_done(plan.step, digest)
     if tp.size > 1 and interval and plan.step % interval == 0:
-        check_consistency(tp, plan.step, fingerprint(plan, committed))
+        check_consistency(tp, plan.step, digest)
         return True
     return False

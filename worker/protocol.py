@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from worker.sampling.params import SamplingParams, TokenLogprobs
-from worker.stats import EngineSnapshot, StepMetrics
+from worker.stats import EngineSnapshot, SpecCounts, StepMetrics
 
 ERROR_CONTEXT_LENGTH = "context_length_exceeded"  # OpenAI's code for a prompt over the context limit
 ERROR_ENGINE = "engine_error"
@@ -52,6 +52,8 @@ class RequestOutput:
     error_code: str | None = None  # why, for the front end's status: ERROR_ENGINE is a 500, the others 400
     queue_seconds: float | None = None  # on a request's first report: arrival at rank 0 to first scheduling
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    spec: SpecCounts | None = None  # on a speculating request's last report: its own speculation figures
+    sync_seconds: float | None = None  # on the last report: its steps' waits on rank 0's decision broadcasts
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from worker.prefix_cache import Node, PrefixCache
 from worker.sampling.grammar import Matcher
 from worker.sampling.params import SamplingParams, TokenLogprobs
-from worker.stats import EngineSnapshot, PrefixCacheCounts
+from worker.stats import EngineSnapshot, PrefixCacheCounts, SpecCounts
 
 
 class BlockPool:
@@ -63,6 +63,8 @@ class Sequence:
     grammar: Matcher | None = None  # rank 0's grammar state for a constrained request
     cache_nodes: list[Node] = field(default_factory=list)  # prefix-cache blocks this sequence pins: block_table[:n]
     num_hit_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    spec: SpecCounts | None = None  # speculation figures of this request alone (speculative/leader.py)
+    sync_seconds: float = 0.0  # time the steps it took part in waited on rank 0's decision broadcasts
 
     @property
     def output_ids(self) -> list[int]:

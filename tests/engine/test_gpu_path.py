@@ -32,7 +32,8 @@ def models(tmp_path_factory, smol_dir) -> dict:
     """name -> (folder, spec config, torch-path greedy output)."""
     out = {}
     for arch in ("qwen3_moe", "glm4_moe_lite"):
-        folder = save_tiny_model(tmp_path_factory.mktemp(arch), arch, heads=8, kv_heads=4, layers=2, seed=7)
+        layers = 1 if arch == "qwen3_moe" else 2  # GLM-4.7-Flash's first layer is dense: one MoE layer needs two
+        folder = save_tiny_model(tmp_path_factory.mktemp(arch), arch, heads=8, kv_heads=4, layers=layers, seed=7)
         if arch == "qwen3_moe":
             head = save_random_eagle_head(folder.parent / "head", load_model_config(resolve_model(str(folder))))
             spec = SpecConfig("EAGLE", str(head), num_steps=2, eagle_topk=1, num_draft_tokens=3, cost_table="off")

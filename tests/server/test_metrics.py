@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from conftest import ServerProcess
 from helpers import eagle_flags, save_copy_eagle_head
 
@@ -74,8 +76,13 @@ def prometheus(spec_server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     config = folder / "prometheus.yml"
+    rules = ROOT / "deploy" / "prometheus"
     config.write_text(f"""global:
   scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files:
+  - {rules / "recording_rules.yml"}
+  - {rules / "alerts.yml"}
 scrape_configs:
   - job_name: eaglegate
     static_configs:
@@ -133,6 +140,57 @@ def test_every_dashboard_query_returns_data(spec_server, prometheus):
     assert not empty, f"dashboard queries with no data: {empty}"
     mean = float(_query(prometheus, exprs[0])[0]["value"][1])
     assert mean >= 1.0
+    # the peer names the recording rules give, and every series docs/deployment.md documents, have data
+    groups = yaml.safe_load((ROOT / "deploy/prometheus/recording_rules.yml").read_text())["groups"]
+    recorded = [r["record"] for g in groups for r in g["rules"]]
+    assert any(n.startswith("vllm:spec_decode") for n in recorded) and "sglang:spec_accept_length" in recorded
+    missing = [n for n in recorded if not _query(prometheus, n)]
+    assert not missing, f"recorded peer names with no data: {missing}"
+    drafts = _query(prometheus, "sum(vllm:spec_decode_num_drafts_total)")
+    assert float(drafts[0]["value"][1]) == float(
+        _query(prometheus, "sum(eaglegate_spec_verify_steps_total)")[0]["value"][1]
+    )
+    missing = [e for e in _documented_series() if not _query(prometheus, e)]
+    assert not missing, f"documented series with no data: {missing}"
+
+
+def _documented_series() -> list[str]:
+    """Each row of the metrics table in docs/deployment.md, as the series Prometheus stores for its type."""
+    suffix = {"counter": "_total", "histogram": "_count", "gauge": ""}
+    rows = re.findall(r"^\| `(\w+)` \| (counter|gauge|histogram) \|", (ROOT / "docs/deployment.md").read_text(), re.M)
+    assert len(rows) >= 30
+    return [f"eaglegate_{name}{suffix[kind]}" for name, kind in rows]
+
+
+def test_per_request_spec_figures_add_up_to_the_server_totals(spec_server):
+    model = str(spec_server.proc.args[spec_server.proc.args.index("--model-path") + 1])
+    names = ("spec_verify_steps_total", "spec_draft_tokens_total", "spec_accepted_tokens_total")
+    before = [_value(_scrape(spec_server), f"eaglegate_{n}") for n in names]
+    per_request, url = [], spec_server.base_url
+    for i in range(4):
+        body = {"model": model, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_spec_metrics": True}
+        if i % 2:
+            body |= {"prompt": [5, 6, 7, 8, i] * 3}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            per_request.append(r.json()["spec_metrics"])
+        elif i == 0:
+            body |= {"messages": [{"role": "user", "content": "Count to ten."}]}
+            per_request.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["spec_metrics"])
+        else:  # streamed: the figures come in a last chunk with no choices
+            body |= {"messages": [{"role": "user", "content": "Name a colour."}], "stream": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as s:
+                chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            assert chunks[-1]["choices"] == []
+            per_request.append(chunks[-1]["spec_metrics"])
+    for m in per_request:
+        assert m["verify_steps"] > 0 and m["accept_length"] >= 1.0
+        assert m["accept_length"] == round((m["verify_steps"] + m["accepted_tokens"]) / m["verify_steps"], 4)
+        assert sum(src["accepted"] for src in m["by_source"].values()) >= m["accepted_tokens"]
+    sums = [sum(m[k] for m in per_request) for k in ("verify_steps", "draft_tokens", "accepted_tokens")]
+    after = [_value(_scrape(spec_server), f"eaglegate_{n}") for n in names]
+    assert [a - b for a, b in zip(after, before)] == sums
+    plain = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2}, timeout=60)
+    assert "spec_metrics" not in plain.json()
 
 
 def test_scrape_passes_promtool(spec_server):

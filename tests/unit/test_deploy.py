@@ -147,6 +147,30 @@ def test_prometheus_config_passes_promtool(config):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_alerts_and_peer_name_rules_pass_promtool_and_their_tests():
+    rules = DEPLOY / "prometheus"
+    r = subprocess.run(
+        ["promtool", "check", "rules", "recording_rules.yml", "alerts.yml"], cwd=rules, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(["promtool", "test", "rules", "alerts.test.yml"], cwd=rules, capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_prometheus_rule_is_generated_from_the_rule_files():
+    from importlib import util
+
+    import yaml
+
+    spec = util.spec_from_file_location("make_prometheus_rules", ROOT / "scripts" / "make_prometheus_rules.py")
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert yaml.safe_load(mod.OUT.read_text()) == mod.build()
+    alerts = {r["alert"] for g in mod.build()["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert len(alerts) == 6 and "EaglegateRankDivergence" in alerts
+
+
 def test_dashboard_is_generated_from_script():
     from importlib import util
 
