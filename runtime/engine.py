@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -51,6 +52,7 @@ class EngineBusyError(RuntimeError):
 
 
 SEND_WAIT_MS = 100  # how long a submit may wait for room in rank 0's inbox before it is refused
+DUMP_GRACE_S = 1.0  # with --crash-dump-folder: how long ranks still alive in a failed group get to write their dumps
 
 
 class EngineInboxFullError(RuntimeError):
@@ -216,6 +218,13 @@ class Engine:
         raise EngineDeadError(f"engine did not become ready within {self.config.startup_timeout:.0f} s")
 
     def _kill_workers(self) -> None:
+        alive = [p for p in self._procs if p.is_alive()]
+        if alive and self.config.crash_dump_folder and not self._closing:
+            for p in alive:  # ranks stuck in a collective write their flight record first (worker/forensics.py)
+                os.kill(p.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + DUMP_GRACE_S
+            while any(p.is_alive() for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.05)
         for p in self._procs:
             if p.is_alive():
                 p.kill()

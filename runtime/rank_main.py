@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from speculative.leader import make_spec_follower, make_spec_leader
 from worker.config import EngineConfig
 from worker.dist import TPGroup
-from worker.forensics import FlightRecorder, Heartbeat, heartbeat_path
+from worker.forensics import FlightRecorder, Heartbeat, dump_on_signal, heartbeat_path
 from worker.kernels.quant import resolve_quantization
 from worker.leader import Leader, follower_step
 from worker.model.files import forget_gguf, resolve_model
@@ -82,6 +83,8 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
         tp.recorder = FlightRecorder(rank)
         if out_addr:  # node 0: the heartbeat beside the engine's sockets, where the front end reads it
             tp.heartbeat = Heartbeat(heartbeat_path(Path(out_addr.removeprefix("ipc://")).parent, rank))
+        if config.crash_dump_folder:  # a rank stuck in a collective never reaches `except`: SIGUSR1 dumps it
+            dump_on_signal(lambda: _dump(config, tp, _group_id(init_method, out_addr), TimeoutError("stopped")))
         if config.debug_collective_trace:
             tp.trace = []
         source = resolve_model(config.model_path)
@@ -93,9 +96,8 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
         else:
             _follow(config, runner, tp)
     except BaseException as e:  # report, then exit non-zero so the supervisor fails fast
-        if config.crash_dump_folder and tp is not None and tp.recorder.records:
-            group = hashlib.sha1(init_method.encode()).hexdigest()[:10]  # one folder per worker group
-            tp.recorder.dump(Path(config.crash_dump_folder), group, tp.size, e)
+        if config.crash_dump_folder and tp is not None:
+            _dump(config, tp, _group_id(init_method, out_addr), e)
         if outbox is not None:
             outbox.send_pyobj(Fatal(f"rank {rank}: {type(e).__name__}: {e}", type(e).__name__))
             outbox.close(linger=2000)  # deliver the report before exiting: os._exit drops queued messages
@@ -118,6 +120,26 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
     # Skip interpreter finalisation: a gloo worker thread may still be freeing its last broadcast's tensors, and
     # taking the GIL from a finalising interpreter aborts the process (seen as exit -6 on follower ranks).
     os._exit(0)
+
+
+def _group_id(init_method: str, out_addr: str) -> str:
+    """The same on every rank of one worker group, new for each group: node 0's run folder is made per group;
+    other nodes add their serving process (the same for the node's ranks, new when the node restarts)."""
+    group = hashlib.sha1(init_method.encode()).hexdigest()[:10]
+    if out_addr:
+        return f"{group}-{Path(out_addr.removeprefix('ipc://')).parent.name}"
+    return f"{group}-{socket.gethostname()}-{os.getppid()}"
+
+
+def _dump(config: EngineConfig, tp: TPGroup, group: str, error: BaseException) -> None:
+    """Write this rank's flight record; a dump that fails is logged, never in the way of the failure's report."""
+    if not tp.recorder.records:
+        return
+    try:
+        path = tp.recorder.dump(Path(config.crash_dump_folder), group, tp.size, error)
+        print(f"eaglegate rank {tp.rank}: crash dump in {path}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the failure being reported matters more
+        print(f"eaglegate rank {tp.rank}: could not write the crash dump: {e}", file=sys.stderr, flush=True)
 
 
 def _agree(config: EngineConfig, source, tp: TPGroup) -> None:

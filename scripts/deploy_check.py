@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = ROOT / "deploy" / "kubernetes"
-KUBERNETES_VERSION = "1.33.0"  # the oldest release the manifests target (the preStop sleep action needs 1.30)
+KUBERNETES_VERSION = "1.33.0"  # the schemas validated against (the manifests need 1.30+: the preStop sleep action)
 
 
 def overlays() -> list[Path]:

@@ -81,6 +81,7 @@ class GuardMiddleware:
             rejection = error_response(
                 503, "server is shutting down", "service_unavailable_error", headers={"Retry-After": "5"}
             )
+            self.state.metrics.labels(self.state.metrics.rejected, status="503").inc()
         length = headers.get(b"content-length")
         too_large = error_response(413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
         if rejection is None and length is not None and not length.isdigit():
@@ -145,9 +146,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
                 code="model_not_found",
             )
 
-    def live_engine() -> Engine:
+    def live_engine(generating: bool = True) -> Engine:
         problem = supervisor.status()
         if problem is not None:
+            if generating:  # a generation refused while the group is down (not a gateway's /v1/loads poll)
+                metrics.labels(metrics.rejected, status="503").inc()
             raise APIError(503, problem, "service_unavailable_error")
         return supervisor.engine
 
@@ -212,11 +215,11 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
     @app.get("/v1/loads")
     async def loads():
         """SGLang's load report, which a load-aware gateway polls (server/load_report.py)."""
-        return load_report.loads(live_engine())
+        return load_report.loads(live_engine(generating=False))
 
     @app.get("/server_info")
     async def server_info():
-        return load_report.server_info(live_engine(), settings.served_model_name)
+        return load_report.server_info(live_engine(generating=False), settings.served_model_name)
 
     @app.get("/debug/ranks")
     async def debug_ranks():
@@ -278,7 +281,7 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         choices = ChoiceSet(engine, metrics, rid, [prompt] * req.n, params, req.stop, setup.keep, traced)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_stream(engine, req, rid, choices, include_usage, setup))
+            return _sse(_chat_stream(engine, req, rid, choices, include_usage, setup), choices)
         return await _collect(
             raw,
             choices,
@@ -303,7 +306,7 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         )
         count = functools.partial(reasoning_tokens, engine.tokenizer)
         if req.stream:
-            return _sse(responses_stream(build, choices, len(prompt), setup.make_parser(), count), events=True)
+            return _sse(responses_stream(build, choices, len(prompt), setup.make_parser(), count), choices, events=True)
 
         def body(events):
             text, _, finish, n = _merge(events[0])
@@ -331,7 +334,7 @@ def build_app(supervisor, settings: ServerSettings, metrics: Metrics) -> FastAPI
         echo = [engine.tokenizer.decode(p) if req.echo else "" for p in expanded]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_completion_stream(engine, req, rid, choices, include_usage, prompt_tokens, echo))
+            return _sse(_completion_stream(engine, req, rid, choices, include_usage, prompt_tokens, echo), choices)
         return await _collect(
             raw,
             choices,
@@ -484,7 +487,7 @@ def _completion_response(engine, req, rid, events, prompt_tokens, echo, cached) 
 
 
 # --- streaming ------------------------------------------------------------------------------------------
-def _sse(chunks: AsyncIterator[dict], events: bool = False) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], choices: ChoiceSet, events: bool = False) -> StreamingResponse:
     """Chat and completions end with `[DONE]`; the Responses API names each event and has no `[DONE]`."""
 
     def line(chunk: dict) -> str:
@@ -503,6 +506,8 @@ def _sse(chunks: AsyncIterator[dict], events: bool = False) -> StreamingResponse
         except Exception as e:  # noqa: BLE001 - the stream must end with an error, never silently
             log.exception("stream failed")
             yield failure(error_body(f"internal error: {type(e).__name__}", "internal_error"))
+        finally:
+            choices.end_span()  # a client that left early still ends the trace
         if not events:
             yield "data: [DONE]\n\n"
 

@@ -47,10 +47,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        metrics = getattr(request.app.state, "metrics", None)
-        if metrics is not None and exc.status in (429, 503):  # refused for load, not for the request's content
-            metrics.labels(metrics.rejected, status=str(exc.status)).inc()
+    async def _api_error(_: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)

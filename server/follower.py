@@ -22,7 +22,7 @@ def _handler(registry: CollectorRegistry, healthy) -> type[BaseHTTPRequestHandle
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path == "/metrics":
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-            elif self.path == "/health":
+            elif self.path in ("/health", "/health/ready"):  # ready: its ranks run (the leader's says more)
                 ok = healthy()
                 body = {"status": "ok"} if ok else {"error": {"message": "a local rank exited", "code": 503}}
                 self._send(200 if ok else 503, json.dumps(body).encode(), "application/json")
@@ -46,15 +46,18 @@ def serve_follower(config: EngineConfig, host: str, port: int) -> int:
     log.info(
         "node %d of %d: starting local TP ranks, joining %s", config.node_rank, config.nnodes, config.dist_init_addr
     )
-    procs = start_follower_ranks(config)
+    procs: list = []
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     node = str(config.node_rank)
     labels = ["node_rank"]
-    Gauge("eaglegate_node_ranks", "TP ranks this node runs.", labels, registry=registry).labels(node).set(len(procs))
+    Gauge("eaglegate_node_ranks", "TP ranks this node runs.", labels, registry=registry).labels(node).set(
+        config.local_tp_size
+    )
     alive = Gauge("eaglegate_node_ranks_alive", "TP ranks of this node still running.", labels, registry=registry)
     alive.labels(node).set_function(lambda: sum(p.is_alive() for p in procs))
     server = ThreadingHTTPServer((host, port), _handler(registry, lambda: all(p.is_alive() for p in procs)))
+    procs += start_follower_ranks(config)  # after the bind: a taken port fails before any rank waits on the group
     threading.Thread(target=server.serve_forever, name="eaglegate-follower-http", daemon=True).start()
     print(f"eaglegate: node {config.node_rank}: health and metrics on http://{host}:{port}", flush=True)
     try:

@@ -251,13 +251,19 @@ class ChoiceSet:
         try:
             return self.engine.add_async(reqs)
         except EngineDeadError as e:
-            raise APIError(503, f"engine unavailable: {e}", "service_unavailable_error") from e
+            raise self._refused(APIError(503, f"engine unavailable: {e}", "service_unavailable_error")) from e
         except EngineBusyError as e:
-            raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded", headers=RETRY_AFTER) from e
+            err = APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded", headers=RETRY_AFTER)
+            raise self._refused(err) from e
         except EngineInboxFullError as e:
-            raise APIError(503, str(e), "service_unavailable_error", headers=RETRY_AFTER) from e
+            raise self._refused(APIError(503, str(e), "service_unavailable_error", headers=RETRY_AFTER)) from e
         except InvalidParameterError as e:
             raise APIError(400, str(e), param=e.param) from e
+
+    def _refused(self, err: APIError) -> APIError:
+        """A refusal for load, not for the request's content: counted in requests_rejected by status."""
+        self.metrics.labels(self.metrics.rejected, status=str(err.status)).inc()
+        return err
 
     def cached_tokens(self, n: int) -> int:
         """Cached prompt tokens, counting each prompt once (its n choices share it)."""
@@ -311,18 +317,20 @@ class ChoiceSet:
                     pending -= 1
                 yield item
         except BaseException as e:
-            if self.span is not None:
-                finish_span(self.span, self.choices, e)
-                self.span = None
+            self.end_span(e)
             raise
         finally:
             for t in tasks:
                 t.cancel()
             for c in self.choices:
                 c.handle.cancel()
-            if self.span is not None:
-                finish_span(self.span, self.choices)
-                self.span = None
+            self.end_span()
+
+    def end_span(self, error: BaseException | None = None) -> None:
+        """End the request's trace span with its figures, once (also when a stream closes before its events)."""
+        if self.span is not None:
+            finish_span(self.span, self.choices, error)
+            self.span = None
 
     def _advance(self, c: ChoiceState, out: RequestOutput) -> ChoiceEvent:
         if out.error:

@@ -232,7 +232,10 @@ class Metrics:
             self.labels(self.vllm_num_draft_tokens).inc(c.draft_tokens)
             self.labels(self.vllm_num_accepted_tokens).inc(c.accepted_tokens)
             with self._window_lock:
-                self._window.append((time.monotonic(), c.verify_steps, c.accepted_tokens, c.draft_tokens))
+                now = time.monotonic()
+                self._window.append((now, c.verify_steps, c.accepted_tokens, c.draft_tokens))
+                while self._window[0][0] < now - SPEC_WINDOW_S:  # bounded whether or not anyone scrapes
+                    self._window.popleft()
             for source, drafted, accepted in (
                 ("eagle", c.eagle_tokens, c.eagle_accepted_tokens),
                 ("context", c.context_tokens, c.context_accepted_tokens),

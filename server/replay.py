@@ -11,7 +11,7 @@ field whose value differs between ranks, with each rank's value:
 Fields, in the order they are compared: the plan (a forward step's context and query lengths and input tokens; a
 speculative step's draft flag, context length, draft cache, catch-up length and context candidates), then what each
 rank committed (a forward step's `seq_len`; a speculative step's `seq_len`, `accepted`, `bonus`, `path`), then the
-decision channel (`decisions`: its count and digest)."""
+decision channel (`decisions`: its digest and count)."""
 
 from __future__ import annotations
 

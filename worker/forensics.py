@@ -5,9 +5,12 @@
   stores per collective, so it is always on; the front end reads every rank's file for `/debug/ranks`, and keeps
   the last ones of a failed group.
 - **Flight recorder**: the last RECORD_STEPS steps' plans, committed state and fingerprints on every rank. When a
-  rank fails (the divergence guard, a collective timeout, any error) it writes them to `--crash-dump-folder`, one
-  file per rank in a folder per worker group; `eaglegate replay DUMP` (server/replay.py) recomputes each rank's
-  fingerprints from the records and names the first step and field where the ranks parted.
+  rank fails (the divergence guard, a collective timeout, any error), or the engine signals a rank still alive in a
+  failed group, it writes them to `--crash-dump-folder`, one file per rank in a folder per worker group.
+  `eaglegate replay DUMP` (server/replay.py) recomputes each rank's fingerprints from the records and names the
+  first step and field where the ranks parted.
+- The heartbeat sees host-side collectives: a GPU collective returns once it is queued (and inside a captured
+  graph runs no Python at all), so on GPUs it shows the last control-group collective, where a hang surfaces.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import signal
 import struct
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -126,3 +131,16 @@ class FlightRecorder:
         }
         path.write_text(json.dumps(body))
         return path
+
+
+def dump_on_signal(dump) -> None:
+    """Call `dump` when the process gets SIGUSR1, from a thread of its own: the main thread may be blocked inside a
+    collective (which releases the GIL), where a Python signal handler would never run. The engine sends SIGUSR1 to
+    the ranks still alive before it kills a failed group."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # every thread started later inherits the mask
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGUSR1})
+        dump()
+
+    threading.Thread(target=wait, name="eaglegate-dump-on-signal", daemon=True).start()

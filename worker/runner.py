@@ -72,7 +72,9 @@ class ModelRunner:
         self.fused_moe = self.attention_backend == "triton" and self.model_cfg.num_experts > 0
         if self.fused_moe and pack_fused_moe(self.model) < len(self.model_cfg.moe_layers):
             self.fused_moe = False
-            logger.warning("int4/int8 experts have no fused MoE kernel: MoE layers run expert by expert, uncaptured")
+            logger.warning("quantized experts have no fused MoE kernel: MoE layers run expert by expert, uncaptured")
+        if self.fused_moe and tp.device.type == "cuda":
+            torch.cuda.empty_cache()  # the per-expert copies' memory goes back, so the KV pool below can use it
         self.kv_dtype = kv_cache_dtype(self.dtype, tp.device, self.attention_backend, self.model_cfg.mla)
         self.block_size = config.block_size
         self.num_blocks = self._agree_num_blocks()

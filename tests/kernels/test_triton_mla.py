@@ -1,7 +1,7 @@
 """The latent-attention Triton kernel (worker/kernels/triton_mla.py) in Triton's interpreter against a float32 torch
 reference, row by row: random paged layouts with decode, extend, prefill and EAGLE tree rows (ancestor masks), head
-counts that do and do not fill a head block, latent and rope widths that are not powers of two. Tolerance: 1e-5
-absolute, 1e-4 relative (float32, summation order only)."""
+counts that do and do not fill a head block, latent and rope widths that are not powers of two, and the published
+512 + 64. Tolerance: 1e-5 absolute, 1e-4 relative (float32, summation order only)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _reference(q_lat, q_rope, cache, seqs, scale):
     return out
 
 
-@pytest.mark.parametrize("heads,lora,rope", [(4, 32, 8), (20, 48, 12), (16, 64, 16)])
+@pytest.mark.parametrize("heads,lora,rope", [(4, 32, 8), (20, 48, 12), (16, 512, 64)])  # the last: the published widths
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_triton_mla_kernel_matches_the_reference(heads, lora, rope, device):
     rng = random.Random(heads)

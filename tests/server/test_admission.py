@@ -23,6 +23,11 @@ def test_a_burst_past_the_queue_limit_gets_429s_and_the_server_recovers(tiny_lla
         assert set(statuses) <= {200, 429}, sorted(set(statuses))
         assert statuses.count(429) > BURST // 2 and statuses.count(200) >= 8
         assert retry_after == {"1"}
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10).text  # each refusal counted, by status
+        line = next(
+            x for x in metrics.splitlines() if x.startswith("eaglegate_requests_rejected_total") and '"429"' in x
+        )
+        assert float(line.rsplit(" ", 1)[1]) == statuses.count(429)
         stats = server.stats()
         assert stats["kv_used_tokens"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
         r = httpx.post(

@@ -110,7 +110,8 @@ def test_the_lws_command_forms_a_two_node_group_that_serves_like_tp1(tiny_llama,
     try:
         probes = {p["httpGet"]["path"] for p in (container["livenessProbe"], container["readinessProbe"])}
         assert probes == {"/health", "/health/ready"}
-        _wait(worker_url + "/health", 200, 120, [leader, worker])  # the worker pod's own probe
+        _wait(worker_url + "/health", 200, 120, [leader, worker])  # the worker pod's own probes
+        _wait(worker_url + "/health/ready", 200, 10, [leader, worker])
         _wait(leader_url + "/health/ready", 200, 180, [leader, worker])
         body = {
             "model": str(tiny_llama),

@@ -19,6 +19,7 @@ def _block_rows(row_of_slot_ptr, expert_of_block_ptr, ROWS, BLOCK_M: tl.constexp
 def _tile(w_ptr, s_ptr, e, n, kk, N_OUT, K_IN, S_N, S_K, BLOCK: tl.constexpr, FP8: tl.constexpr):
     """Expert e's weight tile [BLOCK_K, BLOCK_N] (rows kk of the input, columns n of the output), in float32."""
     ok = (kk[:, None] < K_IN) & (n[None, :] < N_OUT)
+    e = e.to(tl.int64)  # experts x rows x columns passes 2^31 on the largest models
     b = tl.load(w_ptr + e * N_OUT * K_IN + n[None, :] * K_IN + kk[:, None], mask=ok, other=0.0).to(tl.float32)
     if FP8:
         s = tl.load(s_ptr + e * S_N * S_K + (n[None, :] // BLOCK) * S_K + kk[:, None] // BLOCK, mask=ok, other=0.0)

@@ -5,10 +5,10 @@ Per row and head h, with the query already absorbed (q_lat = W_UK_h^T q_nope_h, 
 
     score_j = scale * (q_lat . c_j + q_rope . k_rope_j)      out = sum_j softmax(score)_j c_j   ([kv_lora])
 
-and the caller applies W_UV_h. One program per (row, block of heads), an online softmax over the row's visible keys
-(its context, and for tree rows the tree nodes its ancestor bitmask names, as worker/kernels/triton_attention.py
-reads them). No value reaches the host, so the step can be captured. Tested under TRITON_INTERPRET=1 against the
-torch latent path.
+and the caller applies W_UV_h. One program per (row, block of 16 heads): two dot products per block of keys
+(scores, then the weighted latents) and an online softmax over the row's visible keys (its context, and for tree rows
+the tree nodes its ancestor bitmask names, as worker/kernels/triton_attention.py reads them). No value reaches the
+host, so the step can be captured. Tested under TRITON_INTERPRET=1 against a float32 reference.
 """
 
 from __future__ import annotations
@@ -80,13 +80,13 @@ def _kernel():
                 cache_ptr + slot[:, None] * (L + R) + L + r[None, :], mask=visible[:, None] & rm[None, :], other=0.0
             )
             lat, kr = lat.to(tl.float32), kr.to(tl.float32)
-            s = tl.sum(q1[:, None, :] * lat[None, :, :], axis=2) + tl.sum(q2[:, None, :] * kr[None, :, :], axis=2)
+            s = tl.dot(q1, tl.trans(lat), input_precision="ieee") + tl.dot(q2, tl.trans(kr), input_precision="ieee")
             s = tl.where(visible[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * lat[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision="ieee")
             m = m_new
         out = acc / denom[:, None]
         tl.store(o_ptr + (row * H + heads)[:, None] * L + c[None, :], out, mask=hm[:, None] & cm[None, :])
@@ -95,7 +95,8 @@ def _kernel():
 
 
 def _pow2(n: int) -> int:
-    return max(2, 1 << (n - 1).bit_length())
+    """Block widths: powers of two, at least 16 (tl.dot's smallest)."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def triton_mla_attend(
@@ -114,7 +115,7 @@ def triton_mla_attend(
     rope = q_rope.shape[-1]
     assert cache.shape[-1] == lora + rope, "the cache holds [latent ; rope key] per token"
     out = torch.empty(n, h, lora, dtype=torch.float32, device=q_lat.device)
-    bh = min(block_h, _pow2(h))
+    bh = block_h  # heads past H are masked: tl.dot needs 16 rows
     _kernel()[(n, -(-h // bh))](
         q_lat.float().contiguous(),
         q_rope.float().contiguous(),
