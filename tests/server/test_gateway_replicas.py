@@ -118,10 +118,11 @@ def test_requests_and_streams_pass_through_and_a_conversation_stays_on_one_repli
     assert sorted(grew) == [0, 3], f"the conversation's turns were split between replicas: {grew}"
     assert cached[1] > 0 and cached[2] > cached[1], cached
 
-    load = httpx.get(replicas[0].base_url + "/v1/loads", headers=AUTH, timeout=5).json()  # SGLang's shape
+    home = replicas[grew.index(3)]  # the replica that held the conversation, and its prefix cache
+    load = httpx.get(home.base_url + "/v1/loads", headers=AUTH, timeout=5).json()  # SGLang's shape
     assert load["dp_rank_count"] == 1 and load["loads"][0]["max_total_num_tokens"] == 16384
     assert 0 <= load["loads"][0]["token_usage"] <= 1 and load["loads"][0]["cache_hit_rate"] > 0
-    assert httpx.get(replicas[0].base_url + "/v1/loads", timeout=5).status_code == 401
+    assert httpx.get(home.base_url + "/v1/loads", timeout=5).status_code == 401
 
     # the gateway shows both replicas in its metrics, with the figures it polls from their /v1/loads
     wanted = [
@@ -170,7 +171,7 @@ def test_a_killed_replica_costs_only_its_own_in_flight_requests(replicas, gatewa
         killed_at = time.monotonic()
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
-        for i in range(8, 20):
+        for i in range(8, 14):
             pool.submit(one, i)
     after = [outcome for sent, outcome in results if sent > killed_at]
     before = [outcome for sent, outcome in results if sent <= killed_at]

@@ -121,7 +121,7 @@ def _query(url: str, expr: str) -> list:
 
 def test_every_dashboard_query_returns_data(spec_server, prometheus):
     model = str(spec_server.proc.args[spec_server.proc.args.index("--model-path") + 1])
-    _traffic(spec_server, model, 8)
+    _traffic(spec_server, model, 5)
     # wait until Prometheus has scraped the traffic's effects (bounded)
     want = _value(_scrape(spec_server), "eaglegate_spec_verify_steps_total")
     assert want > 0
@@ -131,7 +131,7 @@ def test_every_dashboard_query_returns_data(spec_server, prometheus):
         if got and float(got[0]["value"][1]) >= want:
             break
         time.sleep(0.5)  # one scrape interval is 1 s
-    _traffic(spec_server, model, 4)  # a second burst so every rate() window holds an increase
+    _traffic(spec_server, model, 3)  # a second burst so every rate() window holds an increase
     time.sleep(2.5)  # two more scrapes of the second burst (scrape_interval 1 s)
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/eaglegate.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]

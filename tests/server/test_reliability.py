@@ -16,7 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ServerProcess
-from helpers import alive, descendants, eagle_flags, nested_schema, save_copy_eagle_head, slow_schema
+from helpers import (
+    alive,
+    descendants,
+    eagle_flags,
+    nested_schema,
+    save_copy_eagle_head,
+    save_tiny_model,
+    slow_schema,
+)
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
@@ -312,15 +320,17 @@ def _stream_chat(base_url: str, body: dict, out: dict) -> None:
         out["text"], out["finish"] = "".join(text), finish
 
 
-def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(smol_dir):
+def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(tmp_path, smol_dir):
     """At tp=3: grammars over a limit (nesting 250 and 400, a repeat cap) and one that compiles past the limit each get
     a 400 naming it while plain streams keep completing, with no restart, and the next grammar is served. Then SIGTERM
     during streams: new requests and /health/ready get 503 while the streams run to their full length, and the process
-    exits 0 with no process left behind."""
-    s = ServerProcess(["--tp-size", "3", "--dtype", "float32", "--speculative-algorithm", "NONE"])
+    exits 0 with no process left behind. (A small model with SmolLM2's tokenizer: 6 heads over 3 KV heads.)"""
+    model = save_tiny_model(tmp_path / "m", "llama", heads=6, kv_heads=3, hidden=48, intermediate=96, seed=3)
+    s = ServerProcess(["--model-path", str(model), "--served-model-name", "tiny", "--tp-size", "3",
+                       "--dtype", "float32", "--speculative-algorithm", "NONE"])  # fmt: skip
     tree = descendants(s.proc.pid)
     url = s.base_url + "/v1/chat/completions"
-    plain = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Tell me about owls."}]}
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about owls."}]}
     streaming = plain | {"max_tokens": 32, "ignore_eos": True, "stream": True, "temperature": 0}
     try:
         assert httpx.get(s.base_url + "/health/ready", timeout=60).status_code == 200
