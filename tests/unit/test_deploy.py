@@ -17,14 +17,10 @@ DEPLOY = ROOT / "deploy"
 KEYED = os.environ | {"EAGLEGATE_API_KEY": "sk-compose-test"}  # the compose files refuse to start without a key
 
 
-def _compose_binary() -> str:
-    return compose_binary()
-
-
 @pytest.mark.parametrize("profile", ["rocm", "cuda", "cpu", "glm-flash-rocm"])
 def test_compose_validates(profile):
     r = subprocess.run(
-        [_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
+        [compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "-q"],
         cwd=DEPLOY,
         capture_output=True,
         text=True,
@@ -32,7 +28,7 @@ def test_compose_validates(profile):
     )
     assert r.returncode == 0, r.stderr
     full = subprocess.run(
-        [_compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "--format", "json"],
+        [compose_binary(), "-f", "docker-compose.yml", "--profile", profile, "config", "--format", "json"],
         cwd=DEPLOY,
         capture_output=True,
         text=True,
@@ -55,7 +51,7 @@ def test_the_glm_flash_service_runs_tp4_with_its_mtp_layer():
     from server.cli import build_parser
 
     full = subprocess.run(
-        [_compose_binary(), "-f", "docker-compose.yml", "--profile", "glm-flash-rocm", "config", "--format", "json"],
+        [compose_binary(), "-f", "docker-compose.yml", "--profile", "glm-flash-rocm", "config", "--format", "json"],
         cwd=DEPLOY,
         capture_output=True,
         text=True,
@@ -72,7 +68,7 @@ def test_the_glm_flash_service_runs_tp4_with_its_mtp_layer():
 def test_compose_refuses_to_start_without_an_api_key(file):
     env = {k: v for k, v in os.environ.items() if k != "EAGLEGATE_API_KEY"} | {"NODE_RANK": "0", "MASTER_ADDR": "h"}
     r = subprocess.run(
-        [_compose_binary(), "-f", file, "--profile", "cpu", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True,
+        [compose_binary(), "-f", file, "--profile", "cpu", "config", "-q"], cwd=DEPLOY, capture_output=True, text=True,
         env=env,
     )  # fmt: skip
     assert r.returncode != 0 and "set EAGLEGATE_API_KEY" in r.stderr, r.stderr
@@ -81,14 +77,14 @@ def test_compose_refuses_to_start_without_an_api_key(file):
 def test_broken_compose_is_rejected(tmp_path):
     bad = tmp_path / "docker-compose.yml"
     bad.write_text("services:\n  x:\n    image: a\n    ports: 12\n")
-    r = subprocess.run([_compose_binary(), "-f", str(bad), "config", "-q"], capture_output=True, text=True)
+    r = subprocess.run([compose_binary(), "-f", str(bad), "config", "-q"], capture_output=True, text=True)
     assert r.returncode != 0
 
 
 def test_multinode_compose_validates():
     env = KEYED | {"NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"}
     r = subprocess.run(
-        [_compose_binary(), "-f", "docker-compose.multinode.yml", "config", "--format", "json"],
+        [compose_binary(), "-f", "docker-compose.multinode.yml", "config", "--format", "json"],
         cwd=DEPLOY,
         capture_output=True,
         text=True,

@@ -64,18 +64,19 @@ class ExpertWeights:
     scale: torch.Tensor | None = None
     block: int = 128
 
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(weights, scales, the kernels' scale constants); without scales any tensor stands in, never read."""
+        if self.scale is None:
+            return self.w, self.w, {"S_N": 1, "S_K": 1, "BLOCK": self.block, "FP8": False}
+        meta = {"S_N": self.scale.shape[1], "S_K": self.scale.shape[2], "BLOCK": self.block, "FP8": True}
+        return self.w, self.scale, meta
+
 
 @functools.cache
 def _kernels():
     from worker.kernels import fused_moe_triton  # imports Triton: only where the fused path runs
 
     return fused_moe_triton.gate_up_silu, fused_moe_triton.down_weighted
-
-
-def _scales(w: ExpertWeights) -> tuple[torch.Tensor, int, int]:
-    if w.scale is None:
-        return w.w, 1, 1  # any pointer: never read
-    return w.scale, w.scale.shape[1], w.scale.shape[2]
 
 
 def fused_experts(
@@ -96,47 +97,18 @@ def fused_experts(
     rows = n * k
     grid_m = blocks.expert_of_block.numel()
     gate_up_silu, down_weighted = _kernels()
+    tiles = {"BLOCK_M": blocks.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    layout = (blocks.row_of_slot, blocks.expert_of_block, rows)
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    s1, s1_n, s1_k = _scales(gate_up)
+    w1, s1, meta1 = gate_up.kernel_args()
     gate_up_silu[(grid_m, -(-inter // block_n))](
-        x.contiguous(),
-        gate_up.w,
-        s1,
-        h,
-        blocks.row_of_slot,
-        blocks.expert_of_block,
-        rows,
-        TOP_K=k,
-        H=hidden,
-        INTER=inter,
-        S_N=s1_n,
-        S_K=s1_k,
-        BLOCK=gate_up.block,
-        FP8=gate_up.scale is not None,
-        BLOCK_M=blocks.block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        x.contiguous(), w1, s1, h, *layout, TOP_K=k, H=hidden, INTER=inter, **meta1, **tiles
     )
     out = torch.empty(rows, hidden, dtype=torch.float32, device=x.device)
-    s2, s2_n, s2_k = _scales(down)
+    w2, s2, meta2 = down.kernel_args()
+    route = weights.reshape(-1).float().contiguous()
     down_weighted[(grid_m, -(-hidden // block_n))](
-        h,
-        down.w,
-        s2,
-        weights.reshape(-1).float().contiguous(),
-        out,
-        blocks.row_of_slot,
-        blocks.expert_of_block,
-        rows,
-        HIDDEN=hidden,
-        INTER=inter,
-        S_N=s2_n,
-        S_K=s2_k,
-        BLOCK=down.block,
-        FP8=down.scale is not None,
-        BLOCK_M=blocks.block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        h, w2, s2, route, out, *layout, HIDDEN=hidden, INTER=inter, **meta2, **tiles
     )
     return out.view(n, k, hidden).sum(dim=1)
 

@@ -26,6 +26,10 @@ class PagedRows:
     tree_mask: torch.Tensor  # [N] int64: bit j set when tree node j is visible to this row
     block_tables: torch.Tensor  # [B, max_blocks] int32
 
+    def kernel_args(self) -> tuple:
+        """The six arguments the paged kernels (this file's and triton_mla.py's) take for the rows, in order."""
+        return self.seq, self.limit, self.tree_len, self.tree_mask, self.block_tables, self.block_tables.stride(0)
+
 
 def row_records(seqs: list[SeqSlice]) -> tuple[list[int], list[int], list[int], list[int]]:
     """Each query row's (sequence, causal limit, tree size, ancestor bitmask), in row order. Tree nodes sit at
@@ -148,12 +152,7 @@ def triton_attend(
         k_cache.contiguous(),
         v_cache.contiguous(),
         out,
-        rows.seq,
-        rows.limit,
-        rows.tree_len,
-        rows.tree_mask,
-        rows.block_tables,
-        rows.block_tables.stride(0),
+        *rows.kernel_args(),
         scale,
         block_size,
         H=h,
