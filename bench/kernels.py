@@ -18,6 +18,7 @@ import torch
 from provenance import add_machine_option, provenance, result_path
 
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels import cpu_choice
 from worker.kernels.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -54,11 +55,16 @@ def main() -> None:
     head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.02
     head4, head8 = quantize_rtn(head, 4), quantize_rtn(head, 8)
     run = lambda x, w: int4_linear(x, w, None)  # noqa: E731 - both layouts go through the serving entry point
-    blocks = lambda qt: pack_blocks(qt, torch.bfloat16)  # noqa: E731
+    blocks = lambda qt, layout="bf16": pack_blocks(qt, torch.bfloat16, layout)  # noqa: E731
     onednn = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)  # noqa: E731
     kernels = {}  # name: (step weights, head weight, kernel)
     ops = cpu_kernels.ops(torch.device("cpu"))
-    if ops is not None and ops.qlinear_fast():
+    built = cpu_choice.built()
+    if "int8act" in built:  # 8-bit activations by integer dot products (AVX512-VNNI or AVX2)
+        for bits, qts, head_q in ((4, int4, head4), (8, int8, head8)):
+            packed = [[blocks(q, "int8act") for q in layer] for layer in qts]
+            kernels[f"qlinear int8act int{bits}"] = (packed, blocks(head_q, "int8act"), run)
+    if "bf16" in built:
         kernels["qlinear int4"] = ([[blocks(q) for q in layer] for layer in int4], blocks(head4), run)
         kernels["qlinear int8"] = ([[blocks(q) for q in layer] for layer in int8], blocks(head8), run)
         if ops.qlinear_amx():  # every row count takes AMX tiles here; time the dot-product path beside them

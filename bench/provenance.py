@@ -65,8 +65,9 @@ def _cpu_features() -> str:
         )
     except (OSError, StopIteration):
         return ""
-    have = [name for name, flag in (("AVX512-BF16", "avx512_bf16"), ("AMX-BF16", "amx_bf16")) if flag in flags]
-    return f", {' + '.join(have) or 'no AVX512-BF16'}"
+    named = (("AVX2", "avx2"), ("AVX512-VNNI", "avx512_vnni"), ("AVX512-BF16", "avx512_bf16"), ("AMX-BF16", "amx_bf16"))
+    have = [name for name, flag in named if flag in flags]
+    return f", {' + '.join(have)}{'' if 'avx512_bf16' in flags else ', no AVX512-BF16'}"
 
 
 def _git(*args: str) -> str:

@@ -51,6 +51,7 @@ LOCAL_SETTINGS = {
     "device",
     "dtype",
     "quantization",
+    "cpu_kernel",
     "spec",
     "debug_collective_trace",
 }
@@ -114,13 +115,19 @@ def _tokenizer(config: EngineConfig, source: ModelSource) -> str:
 
 
 def fingerprint(
-    config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype, quantization: str
+    config: EngineConfig,
+    source: ModelSource,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    quantization: str,
+    cpu_kernel: str = "",
 ) -> dict[str, str]:
     fp = {
         "dtype": str(dtype).removeprefix("torch."),
         "device type": tp.device.type,
         "collective backend": dist.get_backend(tp.group) if tp.size > 1 else "none",
         "quantization": quantization,
+        "cpu kernel": cpu_kernel,
         "model config": json.dumps(dataclasses.asdict(load_model_config(source)), sort_keys=True, default=str),
         "tensor names and shapes": _tensor_index(source),
         "weights": files_digest(_weight_files(source)),
@@ -175,11 +182,13 @@ def compare(fingerprints: list[dict[str, str]], node_of: list[int]) -> str | Non
     return "the TP ranks disagree at start-up, so nothing is served. " + " | ".join(parts)
 
 
-def agree(config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype, quantization: str) -> None:
+def agree(
+    config: EngineConfig, source: ModelSource, tp: TPGroup, dtype: torch.dtype, quantization: str, cpu_kernel: str = ""
+) -> None:
     """Gather every rank's fingerprint; raise the same StartupMismatchError on every rank on any difference."""
     if tp.size == 1:
         return
-    mine = fingerprint(config, source, tp, dtype, quantization)
+    mine = fingerprint(config, source, tp, dtype, quantization, cpu_kernel)
     everyone: list[dict[str, str] | None] = [None] * tp.size
     dist.all_gather_object(everyone, mine, group=tp.cpu_group)
     local = config.local_tp_size

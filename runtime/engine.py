@@ -83,12 +83,13 @@ class EngineStats:
 
     snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
     rank_divergences: int = 0
+    cpu_kernel: str = ""  # from the Ready message: what multiplies quantized weights on CPU
     last_progress: float = field(default_factory=time.monotonic)
 
     @property
     def values(self) -> dict:
         """The flat JSON of `/engine/stats`."""
-        return self.snapshot.as_dict() | {"rank_divergences": self.rank_divergences}
+        return self.snapshot.as_dict() | {"rank_divergences": self.rank_divergences, "cpu_kernel": self.cpu_kernel}
 
 
 class AsyncRequest:
@@ -160,6 +161,7 @@ class Engine:
             raise
         self.load_seconds = time.monotonic() - t0
         self.stats.snapshot = EngineSnapshot(kv_total_tokens=self.ready.kv_total_tokens)
+        self.stats.cpu_kernel = self.ready.cpu_kernel
         self._receiver = threading.Thread(target=self._receive_loop, name="eaglegate-receiver", daemon=True)
         self._receiver.start()
         self._monitor = threading.Thread(target=self._monitor_loop, name="eaglegate-monitor", daemon=True)

@@ -20,6 +20,7 @@ from speculative.leader import make_spec_follower, make_spec_leader
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.forensics import FlightRecorder, Heartbeat, dump_on_signal, heartbeat_path
+from worker.kernels import cpu_choice
 from worker.kernels.quant import resolve_quantization
 from worker.leader import Leader, follower_step
 from worker.model.files import forget_gguf, resolve_model
@@ -88,11 +89,11 @@ def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str,
         if config.debug_collective_trace:
             tp.trace = []
         source = resolve_model(config.model_path)
-        _agree(config, source, tp)
+        cpu_kernel = _agree(config, source, tp)
         runner = ModelRunner(config, source, tp, show_progress=rank == 0)
         forget_gguf()
         if rank == 0:
-            _lead(config, runner, tp, ctx, in_addr, outbox)
+            _lead(config, runner, tp, ctx, in_addr, outbox, cpu_kernel)
         else:
             _follow(config, runner, tp)
     except BaseException as e:  # report, then exit non-zero so the supervisor fails fast
@@ -142,15 +143,25 @@ def _dump(config: EngineConfig, tp: TPGroup, group: str, error: BaseException) -
         print(f"eaglegate rank {tp.rank}: could not write the crash dump: {e}", file=sys.stderr, flush=True)
 
 
-def _agree(config: EngineConfig, source, tp: TPGroup) -> None:
-    """Every rank states what it will load and serve; any difference stops every rank before loading."""
+def _agree(config: EngineConfig, source, tp: TPGroup) -> str:
+    """Every rank states what it will load and serve; any difference stops every rank before loading. Returns the
+    CPU kernel this process runs ("" on GPUs)."""
 
     dtype = resolve_dtype(config.dtype, tp.device)
     try:
         method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
     except ValueError as e:  # refused below, on every rank alike, with the loader's message
         method = f"refused: {e}"
-    agree(config, source, tp, dtype, method)
+    kernel, refusal = "", None
+    if tp.device.type == "cpu":
+        try:
+            kernel = str(cpu_choice.select(config.cpu_kernel))
+        except ValueError as e:  # after the agreement, so every rank stops with the same message
+            kernel, refusal = f"refused: {e}", e
+    agree(config, source, tp, dtype, method, kernel)
+    if refusal is not None:
+        raise refusal
+    return kernel
 
 
 def _make_leader(config, runner, tp):
@@ -159,13 +170,13 @@ def _make_leader(config, runner, tp):
     return Leader(config, runner, tp)
 
 
-def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox) -> None:
+def _lead(config, runner, tp: TPGroup, ctx, in_addr: str, outbox, cpu_kernel: str) -> None:
     import zmq
 
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(in_addr)
     leader = _make_leader(config, runner, tp)
-    outbox.send_pyobj(Ready(runner.num_blocks * runner.block_size, leader.max_model_len))
+    outbox.send_pyobj(Ready(runner.num_blocks * runner.block_size, leader.max_model_len, cpu_kernel))
     last_broadcast = time.monotonic()
     stopping = False
     while True:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from worker.config import (
+    CPU_KERNEL_CHOICES,
     DEFAULT_MODEL,
     QUANTIZATION_CHOICES,
     SPECULATIVE_ALGORITHMS,
@@ -40,6 +41,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weights: auto keeps a GGUF's own Q4_0/Q4_1/Q8_0 blocks (K-quants requantized to int4) on "
         "CPU in bfloat16, and a block-FP8 checkpoint's bytes on GPUs (fp8 insists); int4/int8 quantize any "
         "checkpoint at load; none keeps dense weights",
+    )
+    p.add_argument(
+        "--cpu-kernel",
+        default="auto",
+        choices=CPU_KERNEL_CHOICES,
+        help="what multiplies quantized weights on CPU: bf16 (AVX512-BF16 dot products or AMX), int8act (8-bit "
+        "activations by AVX512-VNNI or AVX2 integer dot products, as llama.cpp), portable (torch's int4 kernel); "
+        "auto takes the first the CPU runs",
     )
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument(
@@ -172,6 +181,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        cpu_kernel=args.cpu_kernel,
         max_total_tokens=args.max_total_tokens,
         mem_fraction=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,

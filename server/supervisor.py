@@ -43,7 +43,14 @@ class EngineSupervisor:
         self._thread.start()
 
     def _start(self) -> Engine:
-        return Engine(self.config, on_step=self.metrics.on_step, on_fatal=self.metrics.on_fatal)
+        engine = Engine(self.config, on_step=self.metrics.on_step, on_fatal=self.metrics.on_fatal)
+        if engine.ready.cpu_kernel:
+            log.info(
+                "CPU kernel for quantized linears: %s (--cpu-kernel %s)",
+                engine.ready.cpu_kernel,
+                self.config.cpu_kernel,
+            )
+        return engine
 
     def _watch(self) -> None:
         while not self._closing:

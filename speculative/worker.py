@@ -14,7 +14,7 @@ from torch import nn
 
 from worker.config import EngineConfig, SpecConfig
 from worker.dist import TPGroup
-from worker.kernels import cpu as cpu_kernels
+from worker.kernels import cpu_choice
 from worker.kernels.quant import METHOD_BITS, QBlocks
 from worker.kernels.triton_attention import MAX_TREE_NODES
 from worker.model.attention import build_attention_metadata
@@ -46,10 +46,10 @@ SECOND_ROW_LIMIT = 1.4
 
 def draft_bits(choice: str, target: nn.Module) -> int | None:
     """The draft head's weight width on CPU (None: dense bfloat16). auto: int8 beside a quantized target, where
-    qlinear (exact bfloat16 activations) is built: a draft forward then streams about half the bytes of the dense
-    head (bench/draft.py). The verify forward keeps the output exactly the target's whatever the draft proposes."""
-    kernels = cpu_kernels.ops(torch.device("cpu"))
-    if choice == "none" or kernels is None or not kernels.qlinear_fast():
+    qlinear runs (either variant, worker/kernels/cpu_choice.py): a draft forward then streams about half the bytes
+    of the dense head (bench/draft.py). The verify forward keeps the output exactly the target's whatever the draft
+    proposes."""
+    if choice == "none" or cpu_choice.active().name == "portable":
         return None
     if choice == "auto":
         quantized = any(isinstance(getattr(m, "qweight", None), QBlocks) for m in target.modules())

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # worker/kernels/quant.py
 TARGET_QUANTIZATION_CHOICES = QUANTIZATION_CHOICES + ("fp8",)  # fp8: a block-FP8 checkpoint's own bytes (GPUs)
+CPU_KERNEL_CHOICES = ("auto", "bf16", "int8act", "portable")  # worker/kernels/cpu_choice.py
 SPECULATIVE_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "MTP")
 
 
@@ -58,6 +59,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     quantization: str = "auto"  # auto | none | int8 | int4 (worker/kernels/quant.py) | fp8 (worker/model/fp8.py)
+    cpu_kernel: str = "auto"  # auto | bf16 | int8act | portable: what multiplies quantized weights on CPU (cpu_choice)
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.3  # of free memory given to the KV pool when max_total_tokens is None
     block_size: int = 16
@@ -106,6 +108,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; use {', '.join(TARGET_QUANTIZATION_CHOICES)}"
             )
+        if self.cpu_kernel not in CPU_KERNEL_CHOICES:
+            raise ValueError(f"unknown cpu kernel {self.cpu_kernel!r}; use {', '.join(CPU_KERNEL_CHOICES)}")
         if self.spec.draft_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"unknown draft quantization {self.spec.draft_quantization!r}; use {', '.join(QUANTIZATION_CHOICES)}"

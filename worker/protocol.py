@@ -69,6 +69,7 @@ class StepReport:
 class Ready:
     kv_total_tokens: int
     max_model_len: int
+    cpu_kernel: str = ""  # what multiplies quantized weights on CPU (worker/kernels/cpu_choice.py), "" on GPUs
 
 
 @dataclass

@@ -15,8 +15,10 @@ from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels import cpu_choice
 from worker.kernels.quant import (
     GGUF_SUPPORTED,
+    QLINEAR_VARIANTS,
     Int4Weight,
     QBlocks,
     QTensor,
@@ -102,17 +104,23 @@ def test_unsupported_gguf_type_is_a_clear_error():
         assert "blk.3.attn_q.weight" in msg and "IQ2_XXS" in msg and all(k in msg for k in GGUF_SUPPORTED)
 
 
-def _qlinear(generic: bool):
+def _qlinear(variant: str):
+    if variant != "reference" and variant not in cpu_choice.built():
+        pytest.skip(f"qlinear's {variant} variant is not built on this CPU")
     if cpu_kernels.ops(torch.device("cpu")) is None:
         pytest.skip("the CPU kernels are not built here")
-    return lambda x, w: w.kernel(x, w.codes, w.scale_offset, w.bits, w.out_features, generic)
+    return lambda x, w: w(x, QLINEAR_VARIANTS[variant])
 
 
-KERNELS = {
-    "torch int4": lambda: lambda x, w: int4_linear(x, w, None),
-    "qlinear": lambda: _qlinear(False),
-    "qlinear portable": lambda: _qlinear(True),
+KERNELS = {  # name: (kernel, its layout)
+    "torch int4": (lambda: lambda x, w: int4_linear(x, w, None), None),
+    "qlinear bf16": (lambda: _qlinear("bf16"), "bf16"),
+    "qlinear int8act": (lambda: _qlinear("int8act"), "int8act"),
+    "qlinear portable": (lambda: _qlinear("reference"), "bf16"),
 }
+# what each kernel's output may differ from the float32 matmul by, relative to its largest value: one bfloat16
+# rounding; 8-bit activations (llama.cpp's Q8_0) add about 0.4% (tests/kernels/test_int8act.py)
+KERNEL_TOLERANCE = {"qlinear int8act": 0.015}
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -123,13 +131,14 @@ def test_quantized_kernels_match_float32_matmul(bits, kernel):
     g = torch.Generator().manual_seed(bits)
     w = torch.randn(200 if kernel != "torch int4" else 192, 256, generator=g) * torch.rand(1, 1, generator=g)
     qt = quantize_rtn(w, bits)
-    packed = pack_int4(qt) if kernel == "torch int4" else pack_blocks(qt, torch.bfloat16)
-    run = KERNELS[kernel]()
+    make, layout = KERNELS[kernel]
+    run = make()
+    packed = pack_int4(qt) if layout is None else pack_blocks(qt, torch.bfloat16, layout)
     x = torch.randn(11, 256, generator=g).bfloat16()
     ref = x.float() @ qt.dequantize().t()
     out = run(x, packed)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    assert ((out.float() - ref).abs().max() / ref.abs().max()) < 0.01
+    assert ((out.float() - ref).abs().max() / ref.abs().max()) < KERNEL_TOLERANCE.get(kernel, 0.01)
     # rows computed together equal rows computed alone, whatever the batch: what makes verify and decode agree
     for rows in (slice(2, 3), slice(4, 6), slice(1, 8), slice(0, 8), slice(0, 9)):  # 1, 2, 7, 8 and 5 + 4 rows
         assert torch.equal(run(x[rows], packed), out[rows])
@@ -148,10 +157,9 @@ def test_qlinear_layout_keeps_every_code(bits):
 
 def test_pack_keeps_scales_float16_cannot_hold_on_torchs_kernel():
     """Scales below float16's normal range would lose precision in qlinear's layout: such a weight takes torch's
-    kernel (bfloat16 scales, float32's range); ordinary weights take qlinear where its fast path is built."""
-    ops = cpu_kernels.ops(torch.device("cpu"))
-    if ops is None or not ops.qlinear_fast():
-        pytest.skip("needs AVX512-BF16: qlinear's fast path is not built on this CPU")
+    kernel (bfloat16 scales, float32's range); ordinary weights take qlinear where one of its variants runs."""
+    if cpu_choice.active().name == "portable":
+        pytest.skip("needs AVX2 or AVX512-BF16: no qlinear variant runs on this CPU")
     w = torch.randn(32, 64)
     assert isinstance(pack(quantize_rtn(w, 4)), QBlocks)
     assert isinstance(pack(quantize_rtn(w * 1e-7, 4)), Int4Weight)
@@ -170,7 +178,7 @@ def test_qlinear_amx_tiles_and_dot_products_each_keep_a_rows_bits(bits):
     x = torch.randn(20, 512, generator=g) * torch.logspace(-6, 3, 20).unsqueeze(1)
     x[3] = 0
     x = x.bfloat16()
-    run = _qlinear(False)
+    run = _qlinear("bf16")
     out = {}
     for amx in (True, False):
         ops.set_qlinear_amx(amx)
@@ -185,7 +193,7 @@ def test_qlinear_amx_tiles_and_dot_products_each_keep_a_rows_bits(bits):
 
 
 def test_qlinear_refuses_a_mismatched_layout():
-    run = _qlinear(False)
+    run = _qlinear("reference")
     packed = pack_blocks(quantize_rtn(torch.randn(32, 64), 4), torch.bfloat16)
     with pytest.raises(RuntimeError, match="in_features"):
         run(torch.randn(1, 96).bfloat16(), packed)

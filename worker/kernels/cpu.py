@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files of csrc/
 CACHE = Path(os.environ.get("EAGLEGATE_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
 _module: object | None = None
 _tried = False
@@ -39,8 +39,11 @@ EXTRA_FLAGS = os.environ.get("EAGLEGATE_CPU_FLAGS", "").split()
 
 
 def build_dir() -> Path:
-    flags = hashlib.sha256(" ".join(EXTRA_FLAGS).encode()).hexdigest()[:8] if EXTRA_FLAGS else ""
-    return CACHE / f"cpu_kernels-{_cpu_key()}{'-' + flags if flags else ''}"
+    """Keyed by the CPU, the extra flags and the sources (torch's own check hashes only the .cpp, not its headers)."""
+    key = hashlib.sha256(" ".join(EXTRA_FLAGS).encode())
+    for f in sorted(SOURCE.parent.iterdir()):
+        key.update(f.read_bytes())
+    return CACHE / f"cpu_kernels-{_cpu_key()}-{key.hexdigest()[:8]}"
 
 
 def build():

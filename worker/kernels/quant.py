@@ -15,6 +15,7 @@ import torch
 
 from worker.config import QUANTIZATION_CHOICES
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels import cpu_choice
 
 GROUP = 32  # GGUF's block size, and the kernel's group size
 METHOD_BITS = {"int4": 4, "int8": 8}  # the methods that quantize every linear at load, and their width
@@ -139,10 +140,15 @@ class Int4Weight:
         return self.scale_zero.dtype
 
 
+# cpu_kernels.qlinear's variants: how it multiplies, and so the layout its codes are packed in
+QLINEAR_VARIANTS = {"bf16": 0, "int8act": 1, "reference": 2}
+
+
 @dataclass(frozen=True)
 class QBlocks:
-    """A weight in `cpu_kernels.qlinear`'s layout: blocks of 16 outputs (zero-padded), codes of each input pair for
-    the 16 outputs side by side, and float16 scale and offset per block and group (see the kernel's comment)."""
+    """A weight in `cpu_kernels.qlinear`'s layout for one variant: blocks of 16 outputs (zero-padded), the codes of
+    each block and group of 32 inputs side by side as the variant's dot products take them (`bf16`: input pairs,
+    `int8act`: input quads, see the kernels' comments), and float16 scale and offset per block and group."""
 
     codes: torch.Tensor  # uint8 (4 bits, two codes a byte) or int8, [blocks, groups, 16 * 32 * bits / 8]
     scale_offset: torch.Tensor  # float16 [blocks, groups, 2, 16]
@@ -151,6 +157,15 @@ class QBlocks:
     in_features: int
     dtype: torch.dtype  # the activations' dtype
     kernel: Callable = field(repr=False, compare=False)  # cpu_kernels' qlinear: the layout is this build's
+    layout: str = "bf16"  # the variant it runs: "bf16" or "int8act"
+
+    @property
+    def variant(self) -> int:
+        return QLINEAR_VARIANTS[self.layout]
+
+    def __call__(self, x: torch.Tensor, variant: int | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, out_features]; `variant` 2 runs the bf16 layout's portable float32 reference."""
+        return self.kernel(x, self.codes, self.scale_offset, self.bits, self.out_features, variant or self.variant)
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +174,12 @@ class QBlocks:
     def qtensor(self) -> QTensor:
         """The weight back as a QTensor (scales as float16 kept them): to repack it for another kernel."""
         blocks, groups, _ = self.codes.shape
-        if self.bits == 4:
+        if self.layout == "int8act" and self.bits == 4:  # [block, group, vector, lane, 4 bytes] -> nibbles last
+            b = self.codes.view(blocks, groups, 4, 16, 4)
+            q = torch.stack([b & 15, b >> 4], dim=-1).permute(0, 3, 1, 2, 5, 4)  # [block, lane, group, v, half, j]
+        elif self.layout == "int8act":
+            q = self.codes.view(blocks, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
+        elif self.bits == 4:
             pairs = self.codes.view(blocks, groups, GROUP // 4, 16, 2)
             quads = torch.cat([pairs & 15, pairs >> 4], dim=-1)  # [block, group, quad, lane, 4]
             q = quads.permute(0, 3, 1, 2, 4)
@@ -173,7 +193,7 @@ class QBlocks:
         return QTensor(q.contiguous(), scale.contiguous(), offset.contiguous(), self.bits)
 
 
-def pack_blocks(qt: QTensor, dtype: torch.dtype) -> QBlocks:
+def pack_blocks(qt: QTensor, dtype: torch.dtype, layout: str = "bf16") -> QBlocks:
     kernels = cpu_kernels.ops(torch.device("cpu"))
     if kernels is None:
         raise RuntimeError("the CPU kernels are not built, so there is no qlinear to pack for")
@@ -184,7 +204,12 @@ def pack_blocks(qt: QTensor, dtype: torch.dtype) -> QBlocks:
     if pad:
         q = torch.cat([q, torch.zeros(pad, k, dtype=q.dtype)])
         scale, offset = (torch.cat([t, torch.zeros(pad, groups)]) for t in (scale, offset))
-    if qt.bits == 4:  # [block, group, quad of inputs, lane, 4]: byte = pair 2p (low nibble) | pair 2p + 1 (high)
+    if layout == "int8act" and qt.bits == 4:  # [block, group, vector v, lane, j]: inputs 8v + j | 8v + 4 + j << 4
+        halves = q.view(blocks, 16, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        codes = halves[..., 0] | (halves[..., 1] << 4)
+    elif layout == "int8act":  # [block, group, vector v, lane, j]: input 4v + j
+        codes = q.view(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    elif qt.bits == 4:  # [block, group, quad of inputs, lane, 4]: byte = pair 2p (low nibble) | pair 2p + 1 (high)
         quads = q.view(blocks, 16, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)
         codes = quads[..., :2] | (quads[..., 2:] << 4)
     else:  # [block, group, pair, lane, 2]
@@ -198,15 +223,17 @@ def pack_blocks(qt: QTensor, dtype: torch.dtype) -> QBlocks:
         k,
         dtype,
         kernels.qlinear,
+        layout,
     )
 
 
 def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> QBlocks | Int4Weight:
-    """Our kernel's layout where its AVX512-BF16 path is built and applies (bfloat16 activations, scales within
-    float16's range), else torch's int4 kernel's (its portable path is for tests and odd shapes, not for serving)."""
-    kernels = cpu_kernels.ops(torch.device("cpu"))
-    if dtype == torch.bfloat16 and kernels is not None and kernels.qlinear_fast() and _fp16_exact_enough(qt):
-        return pack_blocks(qt, dtype)
+    """The layout of this process's CPU kernel (cpu_choice: bf16 or int8act) where it applies (bfloat16
+    activations, scales within float16's range), else torch's int4 kernel's (`portable`; qlinear's float32 reference
+    path is for tests, not for serving)."""
+    kernel = cpu_choice.active().name
+    if dtype == torch.bfloat16 and kernel != "portable" and _fp16_exact_enough(qt):
+        return pack_blocks(qt, dtype, kernel)
     return pack_int4(qt, dtype)
 
 
@@ -241,7 +268,7 @@ def int4_linear(x: torch.Tensor, w: QBlocks | Int4Weight, bias: torch.Tensor | N
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if isinstance(w, QBlocks):
-        y = w.kernel(x2, w.codes, w.scale_offset, w.bits, w.out_features, False)
+        y = w(x2)
     else:
         if w.planes == 2:
             x2 = torch.cat([x2, x2], dim=-1)

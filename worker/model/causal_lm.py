@@ -131,7 +131,7 @@ def fused_weights(layer: nn.Module, kernels, dtype: torch.dtype):
     fused = None
     if usable:
         p = attn.qkv_proj
-        qw = [kernels.QWeight(w.codes, w.scale_offset, w.bits, w.out_features) for w in key]
+        qw = [kernels.QWeight(w.codes, w.scale_offset, w.bits, w.out_features, w.variant) for w in key]
         fused = kernels.LayerWeights(
             norms[0].weight,
             norms[1].weight,

@@ -17,7 +17,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#include <map>
+#include <string>
 #include <vector>
+
+#include "qlinear_int8act.h"
 
 namespace {
 
@@ -712,14 +716,61 @@ void qlinear_amx(const c10::BFloat16* x, const float* xsum, int64_t m, int64_t k
 }
 #endif
 
-// x [M, K] bfloat16 (or float32: portable path) -> [M, out_features] in x's dtype. codes and scale_offset as packed by
-// worker/kernels/quant.py (blocks of 16 outputs, zero-padded); `generic` forces the portable path (tests run both).
+// The ways qlinear multiplies, each with its own weight layout (quant.py packs for one): `DOT_BF16` bfloat16
+// activations by AVX512-BF16 dot products (AMX tiles where the CPU has them), `INT8ACT` 8-bit activations by integer
+// dot products (qlinear_int8act.h), `REFERENCE` the bfloat16 layout's sums in portable float32 (tests run it).
+enum QVariant : int64_t { DOT_BF16 = 0, INT8ACT = 1, REFERENCE = 2 };
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kDotBf16 = true;
+#else
+constexpr bool kDotBf16 = false;
+#endif
+constexpr bool kInt8act = sizeof(EAGLEGATE_INT8ACT_ISA) > 1;
+
+// 8-bit activations by integer dot products: quantize each row (its own scales), then the blocks in parallel.
+void qlinear_int8act(const torch::Tensor& x, int64_t k, const uint8_t* cp, const at::Half* sp, int64_t bits,
+                     int64_t blocks, float* yp, int64_t n) {
+#if defined(EAGLEGATE_INT8ACT_VNNI) || defined(EAGLEGATE_INT8ACT_AVX2)
+  const int64_t m = x.size(0), groups = k / QGROUP;
+  // the quantized rows live in this thread's buffers: a decode step's 120 linears would each pay three allocations
+  thread_local std::vector<int8_t> a;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> asum;
+  a.resize(m * k);
+  d.resize(m * groups);
+  asum.resize(m * groups);
+  int8_t* ap = a.data();
+  float* dp = d.data();
+  int32_t* qp = asum.data();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "qlinear_int8act", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, m, ROW_GRAIN, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        int8act::quantize_row(xp + r * k, k, ap + r * k, dp + r * groups, qp + r * groups,
+                              [](scalar_t v) { return to_f(v); });
+    });
+  });
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    if (bits == 4)
+      int8act::blocks<4>(ap, dp, qp, m, k, cp, sp, b0, b1, yp, n);
+    else
+      int8act::blocks<8>(ap, dp, qp, m, k, cp, sp, b0, b1, yp, n);
+  });
+#else
+  TORCH_CHECK(false, "qlinear's 8-bit activation path needs AVX2 (or AVX512-VNNI), not in this build");
+#endif
+}
+
+// x [M, K] bfloat16 or float32 -> [M, out_features] in x's dtype. codes and scale_offset as packed by
+// worker/kernels/quant.py for `variant` (blocks of 16 outputs, zero-padded).
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_offset, int64_t bits,
-                      int64_t out_features, bool generic) {
+                      int64_t out_features, int64_t variant) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scale_offset.device().is_cpu(),
               "qlinear runs on CPU tensors");
   TORCH_CHECK(bits == 4 || bits == 8, "codes are 4 or 8 bits");
+  TORCH_CHECK(variant == DOT_BF16 || variant == INT8ACT || variant == REFERENCE, "unknown qlinear variant ", variant);
   TORCH_CHECK(scale_offset.scalar_type() == at::kHalf && scale_offset.is_contiguous() && scale_offset.dim() == 4 &&
                   scale_offset.size(2) == 2 && scale_offset.size(3) == QBLOCK,
               "scale_offset must be contiguous float16 [blocks, groups, 2, 16]");
@@ -732,6 +783,16 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
               "codes must be contiguous bytes, blocks x 16 x in_features x bits / 8");
   auto xc = x.contiguous();
   auto fopts = xc.options().dtype(at::kFloat);
+  auto y = torch::empty({m, out_features}, fopts);
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const at::Half* sp = scale_offset.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  if (variant == INT8ACT) {
+    qlinear_int8act(xc, k, cp, sp, bits, blocks, yp, out_features);
+    return y.to(x.scalar_type());
+  }
+  TORCH_CHECK(variant == REFERENCE || (kDotBf16 && xc.scalar_type() == at::kBFloat16),
+              "qlinear's bfloat16 dot-product path needs bfloat16 activations and AVX512-BF16, not in this build");
   // each row's group sums, for the offsets, in one fixed order (a row's bits must not depend on m)
   auto xsum = torch::empty({m, groups}, fopts);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "qlinear_xsum", [&] {
@@ -743,15 +804,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale_
       sp[i] = total;
     }
   });
-  auto y = torch::empty({m, out_features}, fopts);
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const at::Half* sp = scale_offset.data_ptr<at::Half>();
   const float* xsp = xsum.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  bool fast = false;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  fast = !generic && xc.scalar_type() == at::kBFloat16;
-#endif
+  const bool fast = variant == DOT_BF16;
   auto xf = fast ? xc : xc.to(at::kFloat);  // the portable path reads float32
 #ifdef EAGLEGATE_AMX
   const bool amx = fast && g_use_amx && amx_ready();
@@ -790,13 +844,11 @@ bool qlinear_amx_usable() {
 #endif
 }
 
-// Whether qlinear's AVX512-BF16 path is built: without it, torch's int4 kernel is the faster choice.
-bool qlinear_fast() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  return true;
-#else
-  return false;
-#endif
+// The instruction set each serving variant of qlinear runs on in this build, "" where it is not built; the CPU's
+// own features decide what `-march=native` builds (worker/kernels/cpu_choice.py names what is missing).
+std::map<std::string, std::string> qlinear_isa() {
+  std::string bf16 = kDotBf16 ? (qlinear_amx_usable() ? "amx_bf16" : "avx512_bf16") : "";
+  return {{"bf16", bf16}, {"int8act", EAGLEGATE_INT8ACT_ISA}};
 }
 
 // One decoder layer of a decode or verify step, the ops above called in the order (and with the views) the
@@ -804,9 +856,9 @@ bool qlinear_fast() {
 // them per layer (a sixth of a one-row step). Single-rank only: with tensor parallelism an all-reduce sits between.
 struct QWeight {
   torch::Tensor codes, scale_offset;
-  int64_t bits, out_features;
+  int64_t bits, out_features, variant;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return qlinear(x, codes, scale_offset, bits, out_features, false);
+    return qlinear(x, codes, scale_offset, bits, out_features, variant);
   }
 };
 
@@ -859,7 +911,8 @@ std::vector<torch::Tensor> decoder_stack(const std::vector<LayerWeights>& layers
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<QWeight>(m, "QWeight").def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, int64_t>());
+  pybind11::class_<QWeight>(m, "QWeight")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t>());
   pybind11::class_<LayerWeights>(m, "LayerWeights")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, QWeight, QWeight, QWeight, QWeight, int64_t, int64_t,
                           int64_t, double>());
@@ -872,7 +925,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_cache", &rope_write_cache);
   m.def("attend_rows", &attend_rows);
   m.def("qlinear", &qlinear);
-  m.def("qlinear_fast", &qlinear_fast);
+  m.def("qlinear_isa", &qlinear_isa);
   m.def("qlinear_amx", &qlinear_amx_usable);
   m.def("set_qlinear_amx", [](bool on) { g_use_amx = on; });
 }

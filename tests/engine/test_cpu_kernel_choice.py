@@ -1,0 +1,62 @@
+"""`--cpu-kernel`: every CPU kernel this machine runs (and the `-march=haswell` build's AVX2 kernel) serves the
+default model with the shipped head, its speculative output identical to its plain output; the choice shows in
+/engine/stats; forcing a kernel the CPU (or build) lacks stops start-up with a message naming the missing feature."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import chat
+
+from runtime.engine import Engine, EngineDeadError
+from speculative.defaults import default_spec_config
+from worker.config import EngineConfig
+from worker.kernels import cpu_choice
+from worker.sampling.params import SamplingParams
+
+HASWELL = {"EAGLEGATE_CPU_FLAGS": "-march=haswell"}
+QUESTIONS = ["Explain why the sky is blue.", "Write a haiku about rain.", "List three uses of copper."]
+# name: (--cpu-kernel, extra environment of the worker processes, what /engine/stats then names)
+VARIANTS = {
+    "bf16": ("bf16", {}, None),
+    "int8act": ("int8act", {}, None),
+    "int8act, -march=haswell build": ("int8act", HASWELL, "int8act (avx2)"),
+    "portable": ("portable", {}, "portable (torch int4 kernel)"),
+}
+
+
+def _runs(variant: str) -> bool:
+    kernel, env, _ = VARIANTS[variant]
+    if env:
+        return "avx2" in cpu_choice.cpu_flags() and cpu_choice.built().get("int8act") != "avx2"
+    return kernel == "portable" or kernel in cpu_choice.built()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_speculative_output_is_plain_output_on_each_cpu_kernel(variant, smol_dir, monkeypatch):
+    if not _runs(variant):
+        pytest.skip(f"{variant} does not run on this CPU (or is the native build's own kernel here)")
+    kernel, env, shown = VARIANTS[variant]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = EngineConfig(dtype="bfloat16", quantization="auto", cpu_kernel=kernel, max_total_tokens=4096)
+    spec = dataclasses.replace(default_spec_config(), cost_table="off")  # draft on every step
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    runs = {}
+    for name, c in (("plain", cfg), ("spec", cfg.replace(spec=spec))):
+        with Engine(c) as eng:
+            prompts = [eng.encode(chat(eng, q)) for q in QUESTIONS]
+            runs[name] = [eng.generate([p], params)[0].token_ids for p in prompts]  # batch 1, as served
+            stats = dict(eng.stats.values)
+        assert stats["cpu_kernel"] == (shown or str(cpu_choice.resolve(kernel)))
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert runs["spec"] == runs["plain"]
+
+
+def test_forcing_a_cpu_kernel_the_build_lacks_stops_start_up_naming_the_feature(smol_dir, monkeypatch):
+    if "avx2" not in cpu_choice.cpu_flags():
+        pytest.skip("needs AVX2 to run the -march=haswell build")
+    monkeypatch.setenv("EAGLEGATE_CPU_FLAGS", HASWELL["EAGLEGATE_CPU_FLAGS"])  # no AVX512-BF16 in that build
+    with pytest.raises(EngineDeadError, match=r"--cpu-kernel bf16 needs the CPU feature avx512_bf16\+avx512bw"):
+        Engine(EngineConfig(dtype="bfloat16", cpu_kernel="bf16", max_total_tokens=1024))
