@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup model kernels serve test test-fast lint fmt bench llama-cpp llama-server bench-llama-server bench-spec \
+.PHONY: setup model kernels kernels-all serve test test-fast lint fmt bench llama-cpp llama-server bench-llama-server bench-spec \
 	bench-quant bench-prefix bench-step gpu-check gpu-bundle gpu-train deploy-check clean
 
 $(STAMP): requirements.lock pyproject.toml
@@ -25,12 +25,19 @@ model: setup
 kernels: setup
 	$(PY) -m worker.kernels.cpu
 
+# The tests also run the AVX2 build (-march=haswell: what a CPU without AVX-512 runs); the two compile side by side.
+kernels-all: setup
+	@if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then \
+		EAGLEGATE_CPU_FLAGS=-march=haswell $(PY) -m worker.kernels.cpu & avx2=$$!; \
+		$(PY) -m worker.kernels.cpu; native=$$?; wait $$avx2 && exit $$native; \
+	else $(PY) -m worker.kernels.cpu; fi
+
 serve: model kernels
 	$(VENV)/bin/eaglegate serve $(ARGS)
 
 # The whole suite (CPU only, at most 20 minutes on 2 cores). Tiers: tests/unit (no engine, seconds), tests/engine
 # (in-process engines), tests/server (real servers and clients), tests/kernels, tests/training.
-test: model kernels deploy-check
+test: model kernels-all deploy-check
 	$(PY) -m pytest tests -q --durations=15 $(PYTEST_ARGS)
 
 # Render every Kubernetes overlay (kustomize) and validate each object against Kubernetes' and the CRDs' schemas.
@@ -83,11 +90,11 @@ MARG = $(if $(MACHINE),--machine $(MACHINE))
 bench-llama-server: llama-server kernels
 	$(PY) bench/llama_server.py $(MARG) $(ARGS)
 
-bench-spec: llama-cpp
+bench-spec: llama-server
 	$(PY) bench/spec.py $(MARG) $(ARGS)
 
 # The quantized fast step: kernel cost table, then none/int8/auto/default against llama.cpp.
-bench-quant: llama-cpp
+bench-quant: llama-server
 	$(PY) bench/kernels.py $(MARG)
 	$(PY) bench/quant.py $(MARG) $(ARGS)
 

@@ -65,6 +65,7 @@ class Server:
                 raise RuntimeError(f"{name} exited with {self.proc.returncode}: {Path(self.log.name).read_text()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.model = httpx.get(self.url + "/v1/models", timeout=5).json()["data"][0]["id"]
                     return
             except httpx.HTTPError:
                 pass
@@ -73,7 +74,7 @@ class Server:
 
     def chat(self, question: str, max_tokens: int) -> tuple[int, str]:
         body = {
-            "model": "default",
+            "model": self.model,
             "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -108,6 +109,21 @@ def llama_server(gguf: Path, parallel: int, ctx_per_slot: int = 1024) -> list[st
         "--port",
         "{port}",
     ]
+
+
+def llama_server_tok_s(questions: list[str], max_tokens: int) -> float:
+    """llama-server's single-stream tokens/s over `questions` (spec.py's and quant.py's llama.cpp anchor)."""
+    server = Server("llama-server", llama_server(fetch_default_model(quiet=True) / GGUF_NAME, 1))
+    try:
+        server.chat(questions[0], 16)  # warm-up
+        toks = secs = 0.0
+        for q in questions:
+            t0 = time.perf_counter()
+            toks += server.chat(q, max_tokens)[0]
+            secs += time.perf_counter() - t0
+        return toks / secs
+    finally:
+        server.close()
 
 
 def concurrent(server: Server, questions: list[str], max_tokens: int, clients: int) -> float:
@@ -174,8 +190,9 @@ def main() -> None:
                 row["tau"] = (s["spec_verify_steps"] + s["spec_accepted_tokens"]) / max(s["spec_verify_steps"], 1)
             results["single_stream"][name] = row
         servers.pop("llama-server").close()
-        servers["llama-server -np 16"] = Server("llama-server -np 16", llama_server(gguf, args.concurrency))
-        servers["llama-server -np 16"].chat(questions[0], 16)
+        many = f"llama-server -np {args.concurrency}"
+        servers[many] = Server(many, llama_server(gguf, args.concurrency))
+        servers[many].chat(questions[0], 16)
         for name, server in servers.items():
             if name.startswith("plain") and "avx2" in name:
                 continue
@@ -195,7 +212,7 @@ def main() -> None:
 
 def ratios(results: dict, clients: int) -> dict:
     one, many = results["single_stream"], results["concurrency"]
-    base, base_many = one["llama-server"]["tok_s"], many["llama-server -np 16"]
+    base, base_many = one["llama-server"]["tok_s"], many[f"llama-server -np {clients}"]
     out = {}
     for name, row in one.items():
         if name != "llama-server":

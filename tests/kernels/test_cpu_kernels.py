@@ -108,6 +108,7 @@ def test_bfloat16_models_cache_bfloat16_where_the_fused_kernels_attend():
     cpu = torch.device("cpu")
     assert kv_cache_dtype(torch.bfloat16, cpu) == torch.bfloat16
     assert kv_cache_dtype(torch.float32, cpu) == torch.float32  # the float32 reference stays exact
+    assert kv_cache_dtype(torch.float32, cpu, quantized=True) == torch.bfloat16  # int8act's served numerics
     assert kv_cache_dtype(torch.bfloat16, cpu, "triton") == torch.float32  # the interpreter's path is unchanged
 
 

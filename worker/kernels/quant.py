@@ -229,10 +229,11 @@ def pack_blocks(qt: QTensor, dtype: torch.dtype, layout: str = "bf16") -> QBlock
 
 def pack(qt: QTensor, dtype: torch.dtype = torch.bfloat16) -> QBlocks | Int4Weight:
     """The layout of this process's CPU kernel (cpu_choice: bf16 or int8act) where it applies (bfloat16
-    activations, scales within float16's range), else torch's int4 kernel's (`portable`; qlinear's float32 reference
-    path is for tests, not for serving)."""
+    activations, or float32 on int8act; scales within float16's range), else torch's int4 kernel's (`portable`;
+    qlinear's float32 reference path is for tests, not for serving)."""
     kernel = cpu_choice.active().name
-    if dtype == torch.bfloat16 and kernel != "portable" and _fp16_exact_enough(qt):
+    usable = dtype == torch.bfloat16 or (dtype == torch.float32 and kernel == "int8act")
+    if usable and kernel != "portable" and _fp16_exact_enough(qt):
         return pack_blocks(qt, dtype, kernel)
     return pack_int4(qt, dtype)
 
@@ -278,22 +279,35 @@ def int4_linear(x: torch.Tensor, w: QBlocks | Int4Weight, bias: torch.Tensor | N
     return y.view(*shape[:-1], w.out_features)
 
 
-def resolve_quantization(method: str, dtype: torch.dtype, device: torch.device, checkpoint_kind: str) -> str:
+def quantized_activations(dtype: torch.dtype, device: torch.device, dtype_name: str = "bfloat16") -> bool:
+    """Whether quantized weights run with these activations: bfloat16 on CPU (every kernel), or float32 on CPU with
+    `--cpu-kernel int8act` where the dtype was left to `auto` (its served numerics: float32 between the linears, as
+    llama.cpp). An explicit `--dtype float32` is the exact reference and keeps dense weights."""
+    if device.type != "cpu":
+        return False
+    return dtype == torch.bfloat16 or (
+        dtype == torch.float32 and dtype_name == "auto" and cpu_choice.active().name == "int8act"
+    )
+
+
+def resolve_quantization(
+    method: str, dtype: torch.dtype, device: torch.device, checkpoint_kind: str, dtype_name: str = "bfloat16"
+) -> str:
     """The method a load actually uses: 'none', 'int4', 'int8' or 'gguf' (keep the file's own blocks).
 
-    The kernel takes bfloat16 activations on CPU; `auto` falls back to dense elsewhere (float32 runs stay the exact
-    reference), an explicit int4/int8 there is refused."""
+    The kernels take bfloat16 activations on CPU, or float32 ones on int8act (`quantized_activations`); `auto` falls
+    back to dense elsewhere (float32 runs stay the exact reference), an explicit int4/int8 there is refused."""
     if method not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATION_CHOICES)}")
     if method == "none":
         return "none"
-    fast = device.type == "cpu" and dtype == torch.bfloat16
+    fast = quantized_activations(dtype, device, dtype_name if method == "auto" else "auto")
     if method == "auto":
         return "gguf" if fast and checkpoint_kind == "gguf" else "none"
     if not fast:
         raise ValueError(
-            f"--quantization {method} runs on CPU with bfloat16 activations; this load has "
-            f"{str(dtype).removeprefix('torch.')} on {device.type} (use --dtype bfloat16, or "
-            "--quantization none)"
+            f"--quantization {method} runs on CPU with bfloat16 activations (or float32 ones on --cpu-kernel "
+            f"int8act); this load has {str(dtype).removeprefix('torch.')} on {device.type} (use --dtype bfloat16, "
+            "or --quantization none)"
         )
     return method

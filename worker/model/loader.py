@@ -9,6 +9,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.dist import TPGroup
+from worker.kernels import cpu_choice
 from worker.kernels.quant import METHOD_BITS, resolve_quantization
 from worker.model.causal_lm import CausalLM
 from worker.model.config import ModelConfig, load_model_config
@@ -28,9 +29,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.float16
     if name == "bfloat16":
         return torch.bfloat16
-    # auto: bfloat16 where the hardware has it
+    # auto: bfloat16 where the hardware has it; on CPU what the quantized linears' kernel serves best
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    kernel = cpu_choice.active().name
+    if kernel != "portable":  # int8act: float32 between the linears (faster there than widening bfloat16, and exact)
+        return torch.float32 if kernel == "int8act" else torch.bfloat16
     cap = torch.backends.cpu.get_cpu_capability()
     return torch.bfloat16 if cap in ("AVX512", "AVX512_BF16", "AMX") or "AMX" in cap else torch.float32
 
@@ -116,7 +120,9 @@ def load_target(
     )
     try:
         keep = keeps_fp8(config.quantization, cfg, tp, dtype)
-        method = "fp8" if keep else resolve_quantization(config.quantization, dtype, tp.device, source.kind)
+        method = (
+            "fp8" if keep else resolve_quantization(config.quantization, dtype, tp.device, source.kind, config.dtype)
+        )
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     model.weights_method = method  # the MTP draft's layer loads the same way (speculative/mtp.py)

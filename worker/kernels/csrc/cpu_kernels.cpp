@@ -726,7 +726,6 @@ constexpr bool kDotBf16 = true;
 #else
 constexpr bool kDotBf16 = false;
 #endif
-constexpr bool kInt8act = sizeof(EAGLEGATE_INT8ACT_ISA) > 1;
 
 // 8-bit activations by integer dot products: quantize each row (its own scales), then the blocks in parallel.
 void qlinear_int8act(const torch::Tensor& x, int64_t k, const uint8_t* cp, const at::Half* sp, int64_t bits,
