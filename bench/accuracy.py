@@ -4,10 +4,11 @@ position of MT-bench first turns (chat template applied), the same token ids for
     .venv/bin/python bench/accuracy.py [--limit 16] [--machine M]
 
 The reference is transformers' float32 load of the GGUF (dequantized weights, float32 activations). Per prompt, the
-error is max |logit - reference| / max |reference| (what tests/kernels/test_quantization.py bounds), and the top-1
-agreement is the share of positions whose argmax is the reference's. llama.cpp's logits come from llama-cpp-python
-(`logits_all`, `make llama-cpp`), whose CPU backend multiplies the Q4_1 weights by Q8_1 activations. Writes
-bench/results/accuracy[-MACHINE].json with the command and commit.
+error is max |logit - reference| / max |reference| (what tests/kernels/test_quantization.py bounds); over every
+position, that error's median, the mean KL divergence from the reference's distribution (llama-perplexity's
+measure), and the top-1 agreement: the share of positions whose argmax is the reference's. llama.cpp's logits come
+from llama-cpp-python (`logits_all`, `make llama-cpp`), whose CPU backend multiplies the Q4_1 weights by Q8_1
+activations. Writes bench/results/accuracy[-MACHINE].json with the command and commit.
 """
 
 from __future__ import annotations
@@ -59,11 +60,15 @@ def llama_cpp_logits(prompts: list[list[int]]) -> list[torch.Tensor] | None:
 
 def compare(logits: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
     errors = [float((a - r).abs().max() / r.abs().max()) for a, r in zip(logits, refs)]
-    agree = [float((a.argmax(-1) == r.argmax(-1)).float().mean()) for a, r in zip(logits, refs)]
+    positions = torch.cat([(a - r).abs().amax(-1) / r.abs().amax() for a, r in zip(logits, refs)])
+    kl = torch.cat([(r.softmax(-1) * (r.log_softmax(-1) - a.log_softmax(-1))).sum(-1) for a, r in zip(logits, refs)])
+    agree = torch.cat([(a.argmax(-1) == r.argmax(-1)).float() for a, r in zip(logits, refs)])
     return {
         "max_rel_error_median": statistics.median(errors),
         "max_rel_error_max": max(errors),
-        "top1_agreement": statistics.mean(agree),
+        "position_rel_error_median": float(positions.median()),
+        "kl_divergence_mean": float(kl.mean()),  # KL(reference || this), what llama-perplexity reports
+        "top1_agreement": float(agree.mean()),
         "per_prompt": [round(e, 5) for e in errors],
     }
 
@@ -93,8 +98,9 @@ def main() -> None:
     path.write_text(json.dumps(results, indent=2))
     for name, r in [*results["kernels"].items(), ("llama.cpp", results["llama.cpp"])]:
         if r:
-            print(f"{name}: max relative logit error median {r['max_rel_error_median']:.4f}, "
-                  f"max {r['max_rel_error_max']:.4f}, top-1 agreement {r['top1_agreement']:.3f}")  # fmt: skip
+            print(f"{name}: KL {r['kl_divergence_mean']:.5f}, per-position error median "
+                  f"{r['position_rel_error_median']:.4f}, max {r['max_rel_error_max']:.4f}, "
+                  f"top-1 agreement {r['top1_agreement']:.3f}")  # fmt: skip
     print(f"results in {path}")
 
 

@@ -1,7 +1,8 @@
 """What a draft forward's linears cost on the CPU by how the head's weights are held: dense bfloat16 (oneDNN,
-prepacked) against groupwise int8 and int4 through `qlinear` (exact bfloat16 activations), on the shipped EAGLE-3
-head's shapes (fc over three fused layers, one decoder layer, the 8,192-row draft LM head). Copies of the weights are
-cycled so each forward reads them from memory, as it does after a target forward; kinds take turns per repetition.
+prepacked) against groupwise int8 and int4 through `qlinear` (this CPU's kernel: exact bfloat16 activations, or
+8-bit ones on int8act), on the shipped EAGLE-3 head's shapes (fc over three fused layers, one decoder layer, the
+8,192-row draft LM head). Copies of the weights are cycled so each forward reads them from memory, as it does after
+a target forward; kinds take turns per repetition.
 
     .venv/bin/python bench/draft.py [--rows 1,4] [--reps 31] [--machine M]
 

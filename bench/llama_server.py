@@ -149,7 +149,7 @@ def main() -> None:
     auto = str(cpu_choice.resolve("auto"))
     specs = {"llama-server": (llama_server(gguf, 1), None)}  # name: (command, environment)
     for k in kernels:
-        isa = cpu_choice.built()[k]
+        isa = cpu_choice.resolve(k).isa
         specs[f"plain {k} ({isa})"] = (eaglegate(k, False), None)
         specs[f"default {k} ({isa})"] = (eaglegate(k, True), None)
     if not args.no_avx2_build and "avx2" in cpu_choice.cpu_flags() and cpu_choice.built().get("int8act") != "avx2":

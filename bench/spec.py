@@ -186,7 +186,11 @@ def llama_cpp_tok_s(prompts: list[str], max_tokens: int) -> float | None:
         return None
     from llama_server import llama_server_tok_s
 
-    return llama_server_tok_s(prompts, max_tokens)
+    try:
+        return llama_server_tok_s(prompts, max_tokens)
+    except RuntimeError as e:  # a server that would not start: keep the figures measured before it
+        print(f"llama-server failed: {e}; no llama.cpp figure", flush=True)
+        return None
 
 
 def pyplot():

@@ -24,7 +24,7 @@ from worker.kernels import cpu_choice
 from worker.kernels.quant import resolve_quantization
 from worker.leader import Leader, follower_step
 from worker.model.files import forget_gguf, resolve_model
-from worker.model.loader import resolve_dtype
+from worker.model.loader import resolve_dtype, will_quantize
 from worker.protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, ShutdownPlan, SpecPlan, StepPlan
 from worker.runner import ModelRunner
 
@@ -153,7 +153,7 @@ def _agree(config: EngineConfig, source, tp: TPGroup) -> str:
             kernel = str(cpu_choice.select(config.cpu_kernel))
         except ValueError as e:  # after the agreement, so every rank stops with the same message
             kernel, refusal = f"refused: {e}", e
-    dtype = resolve_dtype(config.dtype, tp.device)
+    dtype = resolve_dtype(config.dtype, tp.device, will_quantize(config, source))
     try:
         method = resolve_quantization(config.quantization, dtype, tp.device, source.kind, config.dtype)
     except ValueError as e:  # refused below, on every rank alike, with the loader's message

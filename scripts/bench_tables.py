@@ -212,6 +212,7 @@ def kernels_table(d: dict) -> str:
     cols = {
         "qlinear int4": "`qlinear` int4",
         "qlinear int4 (no AMX)": "`qlinear` int4 without AMX",
+        "qlinear int8act int4": "`qlinear` int4, 8-bit activations",
         "torch int4": "torch int4",
         "bfloat16 oneDNN": "oneDNN bfloat16",
         "qlinear int8 LM head": "LM head, int8: `qlinear`",

@@ -45,10 +45,10 @@ SECOND_ROW_LIMIT = 1.4
 
 
 def draft_bits(choice: str, target: nn.Module) -> int | None:
-    """The draft head's weight width on CPU (None: dense bfloat16). auto: int8 beside a quantized target, where
-    qlinear runs (either variant, worker/kernels/cpu_choice.py): a draft forward then streams about half the bytes
-    of the dense head (bench/draft.py). The verify forward keeps the output exactly the target's whatever the draft
-    proposes."""
+    """The draft head's weight width on CPU (None: dense, in the target's dtype). auto: int8 beside a quantized
+    target, where qlinear runs (either variant, worker/kernels/cpu_choice.py): a draft forward then streams about
+    half the bytes of the dense head (bench/draft.py). The verify forward keeps the output exactly the target's
+    whatever the draft proposes."""
     if choice == "none" or cpu_choice.active().name == "portable":
         return None
     if choice == "auto":

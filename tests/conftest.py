@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 
 # The only skips CI accepts: hardware this machine lacks. Under CI=true any other skip (a kernel build that failed, a
 # missing promtool or Prometheus, a missing package) fails the test instead, so a green run has run everything else.
-HARDWARE_SKIPS = ("needs a CUDA/HIP device", "needs AVX512-BF16", "needs AMX")
+HARDWARE_SKIPS = ("needs a CUDA/HIP device", "needs AVX512-BF16", "needs AMX", "needs AVX2", "needs AVX-512")
 
 
 @pytest.hookimpl(hookwrapper=True)

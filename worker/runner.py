@@ -16,7 +16,7 @@ from worker.kernels import cpu as cpu_kernels
 from worker.kernels.cuda_graph import GraphRunner, StaticBuffers, capture_sizes, step_rows
 from worker.model.attention import build_attention_metadata
 from worker.model.files import ModelSource
-from worker.model.loader import load_target, resolve_dtype
+from worker.model.loader import load_target, resolve_dtype, will_quantize
 from worker.model.moe import pack_fused_moe
 from worker.model.seq_slice import SeqSlice
 from worker.protocol import ForwardPlan
@@ -70,7 +70,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, tp: TPGroup, show_progress: bool = False):
         self.config, self.tp, self.source = config, tp, source
-        self.dtype = resolve_dtype(config.dtype, tp.device)
+        self.dtype = resolve_dtype(config.dtype, tp.device, will_quantize(config, source))
         self.model, self.model_cfg = load_target(config, source, tp, self.dtype, show_progress)
         self.attention_backend = resolve_attention_backend(config.attention_backend, tp.device)
         self.fused_moe = self.attention_backend == "triton" and self.model_cfg.num_experts > 0

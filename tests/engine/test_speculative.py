@@ -117,16 +117,16 @@ def test_smollm2_tp3_speculative_matches_tp1_plain(copy_head, reference):
     assert [r.token_ids for r in out] == [ref[0][:12], ref[1][:10], ref[2][:6]]
 
 
-def test_bfloat16_quantized_speculation_is_identical(copy_head, smol_dir):
-    """The served numerics (bfloat16 activations, the file's 4-bit weights): the int4 kernel and row-wise attention
-    compute each row on its own, so verifying a token inside a tree gives the bits decoding it alone gives, and
-    speculative greedy output equals plain greedy output exactly.
+def test_quantized_speculation_is_identical(copy_head, smol_dir):
+    """The served numerics (the file's 4-bit weights on this CPU's auto kernel, its auto dtype): the quantized linears
+    and row-wise attention compute each row on its own, so verifying a token inside a tree gives the bits decoding
+    it alone gives, and speculative greedy output equals plain greedy output exactly.
     Then each prompt again, behind a shared preamble, one at a time: prefix-cache hits, where both engines must share
     the same blocks (a different hit length splits the prompt differently, and bfloat16 rounds the split)."""
     prompts = PROMPTS + ["Tell me about the moon.", "Why is the sky blue?", "Name a famous painter."]
     preamble = "You are a patient teacher. Answer plainly, in a few sentences, for a curious reader. " * 3
     params = [_greedy(24)] * len(prompts)
-    cfg = EngineConfig(dtype="bfloat16", quantization="auto", max_total_tokens=4096)
+    cfg = EngineConfig(dtype="auto", quantization="auto", max_total_tokens=4096)
     runs = {}
     for name, spec in (("plain", SpecConfig()), ("spec", _spec(copy_head, 2))):
         with Engine(cfg.replace(spec=spec)) as eng:

@@ -108,7 +108,8 @@ def test_unsupported_gguf_type_is_a_clear_error():
 
 def _qlinear(variant: str):
     if variant != "reference" and variant not in cpu_choice.built():
-        pytest.skip(f"qlinear's {variant} variant is not built on this CPU")
+        need = "needs AVX512-BF16" if variant == "bf16" else "needs AVX2"
+        pytest.skip(f"{need}: qlinear's {variant} does not run here")
     if cpu_kernels.ops(torch.device("cpu")) is None:
         pytest.skip("the CPU kernels are not built here")
     return lambda x, w: w(x, QLINEAR_VARIANTS[variant])

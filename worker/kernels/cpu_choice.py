@@ -5,7 +5,7 @@
 - `int8act`: activations quantized per row to 8 bits in groups of 32 (llama.cpp's Q8_0) and multiplied with the
   4- or 8-bit codes by integer dot products, on AVX512-VNNI or AVX2: "4-bit weights x 8-bit activations", as
   llama.cpp computes.
-- `portable`: torch's int4 kernel (bfloat16 scales), on any CPU.
+- `portable`: torch's int4 kernel (scales in the activations' dtype), on any CPU.
 
 `auto` takes the first of these the build runs. Every variant computes each row alone, so speculative output stays
 exactly plain output on each; a process never mixes them, and the ranks of a group agree on one at start-up.
@@ -77,7 +77,8 @@ def resolve(choice: str) -> CpuKernel:
         why = "the CPU kernels did not build here (see the warning above)"
     elif any(all(f in flags for f in need) for need in NEEDS[choice]):
         extra = " ".join(cpu_kernels.EXTRA_FLAGS)
-        why = f"this CPU has them but the kernels were built without (EAGLEGATE_CPU_FLAGS={extra})"
+        how = f"EAGLEGATE_CPU_FLAGS={extra}" if extra else "the compiler's -march=native did not enable them"
+        why = f"this CPU has them but the kernels were built without ({how})"
     else:
         why = f"this CPU lacks {', '.join(missing)}"
     usable = ", ".join(["portable", *have])
@@ -93,5 +94,8 @@ def select(choice: str) -> CpuKernel:
 
 
 def active() -> CpuKernel:
-    """This process's variant: the one `select` chose, else auto's."""
-    return _active if _active is not None else select("auto")
+    """This process's variant: the one `select` chose, else auto's (unlogged: the engine's ranks select and log)."""
+    global _active
+    if _active is None:
+        _active = resolve("auto")
+    return _active

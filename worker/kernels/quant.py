@@ -164,8 +164,12 @@ class QBlocks:
         return QLINEAR_VARIANTS[self.layout]
 
     def __call__(self, x: torch.Tensor, variant: int | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, out_features]; `variant` 2 runs the bf16 layout's portable float32 reference."""
-        return self.kernel(x, self.codes, self.scale_offset, self.bits, self.out_features, variant or self.variant)
+        """x [M, K] -> [M, out_features]; `variant` "reference" (2) runs the bf16 layout's portable float32 sums."""
+        if variant is None:
+            variant = self.variant
+        elif variant != self.variant and not (variant == QLINEAR_VARIANTS["reference"] and self.layout == "bf16"):
+            raise ValueError(f"qlinear variant {variant} cannot read codes packed for {self.layout}")
+        return self.kernel(x, self.codes, self.scale_offset, self.bits, self.out_features, variant)
 
     @property
     def nbytes(self) -> int:
@@ -282,7 +286,8 @@ def int4_linear(x: torch.Tensor, w: QBlocks | Int4Weight, bias: torch.Tensor | N
 def quantized_activations(dtype: torch.dtype, device: torch.device, dtype_name: str = "bfloat16") -> bool:
     """Whether quantized weights run with these activations: bfloat16 on CPU (every kernel), or float32 on CPU with
     `--cpu-kernel int8act` where the dtype was left to `auto` (its served numerics: float32 between the linears, as
-    llama.cpp). An explicit `--dtype float32` is the exact reference and keeps dense weights."""
+    llama.cpp). Under `--quantization auto` an explicit `--dtype float32` is the exact reference and keeps dense
+    weights; an explicit int4/int8 quantizes with float32 activations on int8act."""
     if device.type != "cpu":
         return False
     return dtype == torch.bfloat16 or (

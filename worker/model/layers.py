@@ -135,7 +135,8 @@ def pack_fp8_linears(model: nn.Module, device: torch.device) -> int:
 def unpack_quantized_linears(model: nn.Module) -> int:
     """Turn each int4-kernel linear back into a dense, oneDNN-prepacked weight holding the very values the kernel
     multiplies by. For long teacher-forced passes (draft-training features), where the int4 kernel costs ~2x dense
-    bfloat16 at 512 rows and the labels stay the served model's. Returns how many were unpacked."""
+    bfloat16 at 512 rows and the labels stay the served model's (on the bf16 kernel; with 8-bit activations the
+    dense pass no longer rounds them). Returns how many were unpacked."""
     n = 0
     for mod in model.modules():
         w = getattr(mod, "qweight", None)

@@ -20,7 +20,8 @@ from worker.model.weights import iter_checkpoint, load_weights
 logger = logging.getLogger("eaglegate.loader")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """`quantized`: the load will keep or make quantized weights, whose CPU kernel then decides what `auto` means."""
     if name == "float32":
         return torch.float32
     if name == "float16":
@@ -32,11 +33,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     # auto: bfloat16 where the hardware has it; on CPU what the quantized linears' kernel serves best
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    kernel = cpu_choice.active().name
-    if kernel != "portable":  # int8act: float32 between the linears (faster there than widening bfloat16, and exact)
-        return torch.float32 if kernel == "int8act" else torch.bfloat16
+    if quantized and cpu_choice.active().name == "int8act":  # float32 between the linears, as llama.cpp: faster
+        return torch.float32  # there than widening bfloat16 at every op, and closer to the float32 reference
     cap = torch.backends.cpu.get_cpu_capability()
     return torch.bfloat16 if cap in ("AVX512", "AVX512_BF16", "AMX") or "AMX" in cap else torch.float32
+
+
+def will_quantize(config, source) -> bool:
+    """Whether a load asks for quantized weights: a GGUF under `auto` (its own blocks), or int4/int8 asked for."""
+    return config.quantization in ("int4", "int8") or (config.quantization == "auto" and source.kind == "gguf")
 
 
 def check_tp_divisibility(cfg: ModelConfig, tp_size: int) -> None:

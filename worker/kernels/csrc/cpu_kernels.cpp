@@ -491,7 +491,7 @@ inline int qcode(const uint8_t* blk, int bits, int i, int k) {  // code of outpu
   return pair % 2 ? b >> 4 : b & 15;
 }
 
-// Portable path (no AVX512-BF16, or float32 activations): the same sums in the same structure, one lane at a time.
+// Reference path (the REFERENCE variant, for tests): the bf16 layout's sums in float32, one lane at a time.
 void qlinear_generic(const float* x, const float* xsum, int64_t m, int64_t k, const uint8_t* codes, const at::Half* sz,
                      int bits, int64_t b0, int64_t b1, float* y, int64_t n) {
   const int64_t groups = k / QGROUP, gbytes = QGROUP * QBLOCK * bits / 8;

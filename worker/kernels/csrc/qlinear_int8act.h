@@ -50,7 +50,7 @@ inline void quantize_row(const T* x, int64_t k, int8_t* a, float* d, int32_t* as
     const T* xg = x + g * GROUP;
     float amax = 0.0f;
     for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(to_f(xg[j])));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float inv = amax > 0.0f ? std::min(127.0f / amax, 3.0e38f) : 0.0f;  // finite for a tiny amax too
     int32_t sum = 0;
     for (int j = 0; j < GROUP; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(to_f(xg[j]) * inv));  // |v| <= 127
@@ -201,7 +201,7 @@ constexpr std::array<RowsFn, sizeof...(R)> rows_table(std::integer_sequence<int,
 }
 
 // Blocks [b0, b1) for all m rows, in chunks of at most MAX_ROWS rows that pass over a tile of 8 blocks in turn
-// (the tile stays in cache), chunks of even size (9 rows run as 5 + 4).
+// (the tile stays in cache), chunks of even size (with 8 rows at most, 9 rows run as 5 + 4).
 template <int BITS>
 void blocks(const int8_t* a, const float* d, const int32_t* asum, int64_t m, int64_t k, const uint8_t* codes,
             const at::Half* sz, int64_t b0, int64_t b1, float* y, int64_t n) {
