@@ -27,19 +27,12 @@ import httpx
 from provenance import add_machine_option, provenance, result_path
 from spec import mtbench_first_turns
 
+from worker.dist import free_port
 from worker.kernels import cpu_choice
 from worker.model.files import GGUF_NAME, fetch_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HASWELL = {"EAGLEGATE_CPU_FLAGS": "-march=haswell"}  # the AVX2 build: a CPU without AVX-512
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llama_server_binary() -> Path:
