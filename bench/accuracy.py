@@ -18,9 +18,9 @@ import json
 import statistics
 
 import torch
-from provenance import add_machine_option, provenance, result_path
 from spec import chat_prompt, mtbench_first_turns
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.kernels import cpu_choice

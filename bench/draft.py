@@ -16,8 +16,8 @@ import json
 import time
 
 import torch
-from provenance import add_machine_option, provenance, result_path
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from worker.kernels.quant import int4_linear, pack, quantize_rtn
 
 H, INTER, DRAFT_VOCAB = 576, 1536, 8192

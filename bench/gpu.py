@@ -10,7 +10,7 @@ Writes bench/results/gpu[-MACHINE].json, or PATH. Four targets:
   captured.
 - **The real SmolLM2-135M-Instruct GGUF** with the shipped EAGLE-3 head, when it is present (EAGLEGATE_HOME):
   plain and EAGLE tok/s on MT-bench first turns (or built-in prompts), and how many outputs are identical.
-- **Qwen3-MoE's and GLM-4.7-Flash's shapes** with random weights and --moe-layers layers (bench/shaped_models.py):
+- **Qwen3-MoE's and GLM-4.7-Flash's shapes** with random weights and --moe-layers layers (devtools/shaped_models.py):
   the fused MoE and, for GLM, the latent-attention kernel, eager against captured; Qwen3-MoE plain and with a random
   EAGLE head (verify cost), GLM plain and drafting with its MTP layer; at tp=2 as well when the host has two GPUs.
 Every request generates exactly --max-tokens tokens on the random models (ignore_eos); the real model stops at EOS.
@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from provenance import add_machine_option, provenance, result_path  # noqa: E402
-from shaped_models import glm_flash_shaped, qwen3_moe_shaped  # noqa: E402
-
+from devtools.provenance import add_machine_option, provenance, result_path  # noqa: E402
+from devtools.shaped_models import glm_flash_shaped, qwen3_moe_shaped  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from speculative.defaults import default_spec_config  # noqa: E402
 from training.train_data import chat_ids  # noqa: E402
@@ -142,8 +139,7 @@ def run_target(
 
 def run_moe_shaped(out: dict, work: Path, layers: int, ids, conc: list[int], fixed: SamplingParams, save) -> None:
     """Qwen3-MoE and GLM-4.7-Flash shapes, each plain and with its draft, at tp=1 (and tp=2 on two GPUs)."""
-    from helpers import save_random_eagle_head
-
+    from devtools.models import save_random_eagle_head
     from worker.model.config import load_model_config
     from worker.model.files import resolve_model
 

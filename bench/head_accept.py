@@ -14,17 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-from provenance import add_machine_option, provenance, result_path
-
-# the test's questions and chat template, wherever the test tier keeps them
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path[:0] = [str(TESTS), *{str(p.parent) for p in TESTS.rglob("test_shipped_head.py")}]
-from conftest import chat  # noqa: E402
-from test_shipped_head import QUESTIONS, fixed_tree  # noqa: E402
-
+from devtools.prompts import QUESTIONS, chat, fixed_tree
+from devtools.provenance import add_machine_option, provenance, result_path
 from runtime.engine import Engine  # noqa: E402
 from speculative.defaults import DEFAULT_HEAD  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402

@@ -15,8 +15,8 @@ import json
 import time
 
 import torch
-from provenance import add_machine_option, provenance, result_path
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from worker.kernels import cpu as cpu_kernels
 from worker.kernels import cpu_choice
 from worker.kernels.quant import int4_linear, pack_blocks, pack_int4, quantize_rtn

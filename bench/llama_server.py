@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from provenance import add_machine_option, provenance, result_path
 from spec import mtbench_first_turns
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from worker.dist import free_port
 from worker.kernels import cpu_choice
 from worker.model.files import GGUF_NAME, fetch_default_model

@@ -25,8 +25,8 @@ import time
 
 import httpx
 import openai
-from provenance import add_machine_option, provenance, result_path
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from training.data import sharegpt_conversations
 
 MODEL = "smollm2-135m-instruct"

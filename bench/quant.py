@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import add_machine_option, provenance, result_path
 from spec import LLAMA_ANCHOR, chat_prompt, concurrent, llama_cpp_tok_s, mtbench_first_turns
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig

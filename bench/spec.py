@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from provenance import add_machine_option, provenance, result_path
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD, default_spec_config
 from training.data import wheel_file

@@ -22,9 +22,9 @@ import argparse
 import dataclasses
 import json
 
-from provenance import add_machine_option, provenance, result_path
 from spec import chat_prompt, compare_concurrency, concurrent, mtbench_first_turns
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig

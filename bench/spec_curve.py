@@ -15,9 +15,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from provenance import add_machine_option, provenance, result_path
 from spec import chat_prompt, mtbench_first_turns, pyplot, single_stream, spec_config
 
+from devtools.provenance import add_machine_option, provenance, result_path
 from runtime.engine import Engine
 from speculative.defaults import default_spec_config
 from worker.config import EngineConfig, SpecConfig

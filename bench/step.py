@@ -22,10 +22,10 @@ import statistics
 import time
 
 import torch
-from provenance import add_machine_option, provenance, result_path
 
 import worker.model.causal_lm as model
 import worker.model.layers as layers
+from devtools.provenance import add_machine_option, provenance, result_path
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.kernels import cpu as cpu_kernels

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # GPU kernels run on CPU tensors through Triton's interpreter (set before anything imports triton); the device
 # check sets TRITON_INTERPRET=0 to run them for real
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from devtools.server import API_KEY, ServerProcess  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
-from worker.dist import free_port
-from worker.model.files import GGUF_NAME, default_model_dir, fetch_default_model  # noqa: E402
+from worker.model.files import GGUF_NAME, fetch_default_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -76,109 +74,9 @@ def hf_smol(smol_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smol_dir) -> Path:
-    from helpers import save_tiny_model
+    from devtools.models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", heads=8, kv_heads=4)
-
-
-def chat(engine: Engine, text: str) -> str:
-    return engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-
-
-assert default_model_dir  # re-exported for tests
-
-
-# a restarting parent, as Docker's `restart: on-failure` or a Kubernetes pod is: runs the command again after a
-# non-zero exit, forwards SIGTERM to it, and exits with its status once it exits 0 or was told to stop
-RESTARTER = """
-import signal, subprocess, sys
-state = {"child": None, "stopping": False}
-def forward(*_):
-    state["stopping"] = True
-    if state["child"] is not None:
-        state["child"].terminate()
-signal.signal(signal.SIGTERM, forward)
-while True:
-    state["child"] = subprocess.Popen(sys.argv[1:])
-    rc = state["child"].wait()
-    if rc == 0 or state["stopping"]:
-        sys.exit(rc)
-    print(f"restarter: the server exited with {rc}; starting it again", flush=True)
-"""
-
-
-class ServerProcess:
-    """A real `python -m server serve` subprocess on a free port (under a restarting parent with `restart`)."""
-
-    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None, restart: bool = False):
-        import shutil
-        import subprocess
-        import tempfile
-
-        self.port = free_port()
-        self.api_key = api_key
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="eaglegate-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), *args]
-        key_dir = Path(tempfile.mkdtemp(prefix="eaglegate-key-"))
-        if api_key:  # from a file, as an operator would: the key stays out of the process table
-            (key_dir / "key").write_text(api_key + "\n")
-            cmd += ["--api-key-file", str(key_dir / "key")]
-        if restart:
-            cmd = [sys.executable, "-c", RESTARTER, *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            self.wait_healthy()
-        finally:
-            shutil.rmtree(key_dir, ignore_errors=True)  # read at start-up, before the server is healthy
-
-    def wait_healthy(self, timeout: float = 180.0) -> None:
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)  # waiting for start-up, bounded by the deadline
-        raise RuntimeError(f"server not healthy within {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
-
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def stats(self) -> dict:
-        import httpx
-
-        return httpx.get(self.base_url + "/engine/stats", headers=self.headers(), timeout=5).json()
-
-    def stop(self, timeout: float = 30.0) -> int:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-
-API_KEY = "sk-test-eaglegate-123"
 
 
 @pytest.fixture(scope="session")

@@ -255,6 +255,14 @@ def warm_start(model, folder: str) -> None:
     model.load_export({k: v.float() for k, v in load_file(str(Path(folder) / "model.safetensors")).items()})
 
 
+def float_target(model_path: str):
+    """The target with dense float32 weights (a GGUF's blocks dequantized), whichever CPU kernel serves here: the
+    head starts from its weights and trains against its embeddings, so it reads them as plain tensors, never in the
+    layout a quantized kernel packs them in."""
+    config = EngineConfig(model_path=model_path, dtype="float32", quantization="none")
+    return load_target(config, resolve_model(model_path), single_rank_group(torch.device("cpu")), torch.float32)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv or [])
     out = Path(args.out)
@@ -271,12 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--soft-topk {args.soft_topk}: pass that, or record into a new --out"
         )
     seqs = data["seqs"]
-    target, cfg = load_target(
-        EngineConfig(model_path=args.model_path),
-        resolve_model(args.model_path),
-        single_rank_group(torch.device("cpu")),
-        torch.float32,
-    )
+    target, cfg = float_target(args.model_path)
     # FR-Spec: the draft vocabulary is what the draft must predict most often (labels inside assistant text)
     counts = torch.bincount(
         torch.cat([lab[m].long() for lab, m in zip(data["labels"], data["masks"])]), minlength=cfg.vocab_size

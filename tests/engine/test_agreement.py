@@ -11,8 +11,8 @@ import time
 
 import httpx
 import pytest
-from helpers import save_random_eagle_head, save_tiny_model
 
+from devtools.models import save_random_eagle_head, save_tiny_model
 from runtime.agreement import compare
 from worker.dist import free_port
 from worker.model.config import load_model_config

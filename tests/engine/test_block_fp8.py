@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model
 from safetensors.torch import load_file, save_file
 
+from devtools.models import save_tiny_model
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model.files import ModelLoadError, resolve_model

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from helpers import save_random_eagle_head, save_tiny_model
 
+from devtools.models import save_random_eagle_head, save_tiny_model
 from runtime.engine import Engine
 from worker.config import EngineConfig, SpecConfig
 from worker.dist import single_rank_group

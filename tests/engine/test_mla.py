@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model
 
+from devtools.models import save_tiny_model
 from runtime.engine import Engine, EngineDeadError
 from worker.config import EngineConfig, SpecConfig
 from worker.dist import single_rank_group

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model
 
+from devtools.models import save_tiny_model
 from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
@@ -153,8 +153,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, glm_moe):
 
 def test_a_published_layout_eagle3_head_drafts_losslessly_for_a_moe_target(glm_moe, tmp_path):
     moe_model, moe_reference = glm_moe
-    from helpers import save_random_eagle_head
-
+    from devtools.models import save_random_eagle_head
     from worker.config import SpecConfig
 
     cfg = load_model_config(resolve_model(str(moe_model)))

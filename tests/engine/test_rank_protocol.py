@@ -6,8 +6,8 @@ import json
 import queue
 
 import pytest
-from helpers import save_copy_eagle_head, save_tiny_model
 
+from devtools.models import save_copy_eagle_head, save_tiny_model
 from runtime.engine import Engine, EngineDeadError, _Sink
 from worker.config import EngineConfig, SpecConfig
 from worker.model.config import load_model_config

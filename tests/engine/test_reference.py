@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import chat
 
+from devtools.prompts import chat
 from worker.config import EngineConfig
 from worker.dist import single_rank_group
 from worker.model.files import resolve_model
@@ -57,8 +57,9 @@ def test_greedy_continuation_matches_transformers_generate(hf_smol, smol_engine)
 
 def test_other_families_match_transformers(tmp_path, smol_dir):
     """Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) layouts, random weights saved as safetensors."""
-    from helpers import save_tiny_model
     from transformers import AutoModelForCausalLM
+
+    from devtools.models import save_tiny_model
 
     for arch in ("mistral", "qwen2", "qwen3"):
         folder = save_tiny_model(tmp_path / arch, arch, heads=4, kv_heads=2, seed=3)

@@ -2,38 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
-from conftest import chat
-
+from devtools.prompts import QUESTIONS, chat, fixed_tree
+from devtools.prompts import serve_args as _cli
 from runtime.engine import Engine
-from server.cli import add_engine_args
 from speculative.defaults import DEFAULT_HEAD, resolve_spec_config
 from worker.config import EngineConfig
 from worker.sampling.params import SamplingParams
-
-QUESTIONS = [
-    "Explain why the sky is blue.",
-    "Write a short story about a robot who learns to paint.",
-    "What are three tips for staying healthy?",
-    "Describe how a bicycle works.",
-]
-
-
-def _cli(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return p.parse_args(list(argv))
-
-
-def fixed_tree(head: str):
-    """A head's own quality: a fixed 5-step, top-4, 12-token tree drafted every step, no context candidates
-    (bench/head_accept.py measures heads on the same tree)."""
-    return resolve_spec_config(
-        _cli("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
-             "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "12",
-             "--speculative-cost-table", "off", "--speculative-context-tokens", "0")
-    )  # fmt: skip
 
 
 def test_default_model_serves_with_the_shipped_head_by_default():

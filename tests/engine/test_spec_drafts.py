@@ -7,9 +7,9 @@ import gzip
 import json
 
 import pytest
-from conftest import chat
-from helpers import save_copy_eagle_head
 
+from devtools.models import save_copy_eagle_head
+from devtools.prompts import chat
 from runtime.engine import Engine
 from speculative.corpus import load_corpus
 from speculative.defaults import default_spec_config

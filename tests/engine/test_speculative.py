@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-from helpers import save_copy_eagle_head, save_random_eagle_head
 
+from devtools.models import save_copy_eagle_head, save_random_eagle_head
 from runtime.engine import Engine, EngineDeadError
 from speculative.defaults import DEFAULT_HEAD
 from speculative.heads import read_draft

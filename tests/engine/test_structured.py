@@ -8,9 +8,9 @@ import random
 
 import jsonschema
 import pytest
-from conftest import chat
-from helpers import slow_schema
 
+from devtools.prompts import chat
+from devtools.schemas import slow_schema
 from runtime.engine import Engine
 from speculative.defaults import DEFAULT_HEAD
 from worker.config import EngineConfig, SpecConfig

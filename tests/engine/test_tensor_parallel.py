@@ -50,8 +50,9 @@ def test_tiny_qwen3_matches_transformers_greedy_at_tp1_2_and_4(tmp_path, smol_di
     """Qwen3's per-head q/k norms are replicated on every rank; the heads they scale are split (8 heads, 4 KV
     heads: tp=4 gives each rank one KV head). 32-token greedy output equals transformers' at every tp."""
     import torch
-    from helpers import save_tiny_model
     from transformers import AutoModelForCausalLM
+
+    from devtools.models import save_tiny_model
 
     folder = str(save_tiny_model(tmp_path / "qwen3", "qwen3", heads=8, kv_heads=4, seed=5))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def gpu_llama(tmp_path_factory) -> Path:
-    from helpers import save_tiny_model
+    from devtools.models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("gpu-llama"), "llama", heads=8, kv_heads=4, layers=3)
 
@@ -68,8 +68,7 @@ def test_captured_bfloat16_logits_match_eager(gpu_llama):
 
 
 def test_eagle_on_gpu_with_captured_verify_is_lossless(gpu_llama, cpu_reference, tmp_path):
-    from helpers import save_random_eagle_head
-
+    from devtools.models import save_random_eagle_head
     from worker.model.config import load_model_config
     from worker.model.files import resolve_model
 
@@ -99,7 +98,7 @@ def test_block_fp8_gemm_on_the_gpu_matches_dequantized_float32():
 def test_moe_and_latent_attention_captured_on_the_gpu_match_eager_and_the_cpu(tmp_path, arch):
     """Fused MoE (and for GLM-4.7-Flash's shape the Triton latent attention) on the GPU: float32 greedy output
     captured equals eager equals the CPU's; drafting with the MTP layer keeps it."""
-    from helpers import save_tiny_model
+    from devtools.models import save_tiny_model
 
     folder = save_tiny_model(tmp_path, arch, heads=8, kv_heads=8 if "lite" in arch else 4, layers=3, seed=5)
     cpu = _generate(folder, device="cpu", dtype="float32")[0]

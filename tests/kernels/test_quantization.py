@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import chat
 
+from devtools.prompts import chat
 from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.dist import single_rank_group

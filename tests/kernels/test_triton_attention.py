@@ -67,8 +67,7 @@ def test_triton_kernel_matches_reference_attention(heads, kv_heads, seed, device
 
 def test_model_with_the_triton_backend_decodes_like_the_reference(tiny_llama):
     """Prefill, decode and EAGLE verify through the kernel (interpreter) give the reference's greedy tokens."""
-    from helpers import save_random_eagle_head
-
+    from devtools.models import save_random_eagle_head
     from runtime.engine import Engine
     from worker.config import EngineConfig, SpecConfig
     from worker.model.config import load_model_config

@@ -7,7 +7,8 @@ import asyncio
 
 import httpx
 import openai
-from conftest import ServerProcess
+
+from devtools.server import ServerProcess
 
 BURST = 300
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import API_KEY
+
+from devtools.server import API_KEY
 
 MODEL = "smollm2-135m-instruct"
 

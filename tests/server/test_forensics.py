@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import httpx
-from conftest import ServerProcess
-from helpers import eagle_flags, save_copy_eagle_head, save_tiny_model
 
+from devtools.models import eagle_flags, save_copy_eagle_head, save_tiny_model
+from devtools.server import ServerProcess
 from worker.model.config import load_model_config
 from worker.model.files import resolve_model
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, ServerProcess
-from helpers import compose_config
 
+from devtools.compose import compose_config
+from devtools.server import API_KEY, ServerProcess
 from worker.dist import free_port
 
 SMG = Path(sys.executable).parent / "smg"

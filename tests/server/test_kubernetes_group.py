@@ -17,16 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import chat
 
+from devtools import deploy_check
+from devtools.prompts import chat
 from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.dist import free_port
 from worker.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import deploy_check  # noqa: E402
 
 pytestmark = pytest.mark.skipif(deploy_check.shutil.which("kubectl") is None, reason="kubectl (kustomize) missing")
 KEY = "sk-lws-test"

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import ServerProcess
-from helpers import eagle_flags, save_copy_eagle_head
 
+from devtools.models import eagle_flags, save_copy_eagle_head
+from devtools.server import ServerProcess
 from worker.dist import free_port
 from worker.model.config import load_model_config
 from worker.model.files import resolve_model

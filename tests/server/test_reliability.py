@@ -8,32 +8,22 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServerProcess
-from helpers import (
-    alive,
-    descendants,
-    eagle_flags,
-    nested_schema,
-    save_copy_eagle_head,
-    save_tiny_model,
-    slow_schema,
-)
 
+from devtools.load import run_load
+from devtools.models import eagle_flags, save_copy_eagle_head, save_tiny_model
+from devtools.schemas import nested_schema, slow_schema
+from devtools.server import ServerProcess, alive, descendants
 from runtime.engine import Engine
 from worker.config import EngineConfig
 from worker.model.config import load_model_config
 from worker.model.files import resolve_model
 from worker.sampling.params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from load import run_load  # noqa: E402
 
 SECRET = "sk-never-print-me-7f3a"
 

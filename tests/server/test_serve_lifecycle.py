@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import openai
-from helpers import alive, descendants
 
+from devtools.server import alive, descendants
 from worker.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import API_KEY
 from pydantic import BaseModel
+
+from devtools.server import API_KEY
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {
@@ -284,8 +285,7 @@ def _literal(text: str) -> dict:
 
 @pytest.fixture(scope="module")
 def parser_client(smol_dir):
-    from conftest import ServerProcess
-
+    from devtools.server import ServerProcess
     from speculative.defaults import DEFAULT_HEAD
 
     server = ServerProcess(  # the shipped head's tree, drafting every step

@@ -11,10 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import ServerProcess
-from helpers import eagle_flags, save_copy_eagle_head
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from devtools.models import eagle_flags, save_copy_eagle_head
+from devtools.server import ServerProcess
 from worker.dist import free_port
 from worker.model.config import load_model_config
 from worker.model.files import resolve_model

@@ -152,16 +152,10 @@ def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_chan
     from safetensors.torch import load_file
 
     from speculative.defaults import DEFAULT_HEAD
-    from training.train import warm_start
+    from training.train import float_target, warm_start
     from training.train_model import TrainableEagle3
-    from worker.dist import single_rank_group
-    from worker.model.files import resolve_model
-    from worker.model.loader import load_target
 
-    config = EngineConfig()
-    target, _ = load_target(
-        config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")), torch.float32
-    )
+    target, _ = float_target(EngineConfig().model_path)
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     old_vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
     unseen = torch.tensor([t for t in range(target.lm_head.weight.shape[0]) if t not in set(old_vocab.tolist())][:100])
@@ -182,16 +176,10 @@ def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine):
 
     from speculative.defaults import DEFAULT_HEAD
     from speculative.heads import read_draft
-    from training.train import export_head, warm_start
+    from training.train import export_head, float_target, warm_start
     from training.train_model import TrainableEagle3
-    from worker.dist import single_rank_group
-    from worker.model.files import resolve_model
-    from worker.model.loader import load_target
 
-    config = EngineConfig()
-    target, cfg = load_target(
-        config, resolve_model(config.model_path), single_rank_group(torch.device("cpu")), torch.float32
-    )
+    target, cfg = float_target(EngineConfig().model_path)
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
     narrow, wide = TrainableEagle3(target, vocab), TrainableEagle3(target, vocab, intermediate=2048)

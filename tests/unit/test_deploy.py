@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import compose_binary, compose_config
+
+from devtools.compose import compose_binary, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -129,7 +130,7 @@ def test_dockerfiles_pass_hadolint(dockerfile):
 
     found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     packages = [p.removesuffix("*") for p in found["include"]]
-    assert packages == ["server", "runtime", "worker", "speculative", "training"]
+    assert packages == ["server", "runtime", "worker", "speculative", "training", "devtools"]
     for pkg in packages:  # `pip install .` in the image needs every package of the project
         assert f"COPY {pkg} ./{pkg}" in text, f"{dockerfile} does not copy the {pkg} package"
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import nested_schema
 
+from devtools.schemas import nested_schema
 from worker.sampling import grammar
 from worker.sampling.grammar import MAX_GRAMMAR_CHARS, MAX_REPEAT, MAX_SCHEMA_NESTING, check_grammar, json_nesting
 from worker.sampling.params import GrammarSpec, InvalidGrammarError

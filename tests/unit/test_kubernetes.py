@@ -1,4 +1,4 @@
-"""deploy/kubernetes: every overlay renders and validates (scripts/deploy_check.py, also `make deploy-check`), the
+"""deploy/kubernetes: every overlay renders and validates (devtools/deploy_check.py, also `make deploy-check`), the
 validator rejects what the API server would, and the rendered objects say what docs/deployment.md promises."""
 
 from __future__ import annotations
@@ -7,14 +7,13 @@ import copy
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from devtools import deploy_check
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import deploy_check  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) missing")
 OVERLAYS = ["amd", "cpu", "glm-flash-amd", "nvidia"]

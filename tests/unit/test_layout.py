@@ -84,11 +84,22 @@ def test_the_cycle_finder_sees_a_function_local_circle(tmp_path, monkeypatch):
 def test_one_free_port_helper_in_the_tree():
     defs = [
         p
-        for pkg in (*PACKAGES, "tests", "bench", "scripts")
+        for pkg in (*PACKAGES, "tests", "bench", "scripts", "devtools")
         for p in (ROOT / pkg).rglob("*.py")
         if re.search(r"\.bind\(\(", p.read_text())
     ]
     assert [p.relative_to(ROOT).as_posix() for p in defs] == ["worker/dist.py"]
+
+
+def test_the_harness_is_one_package_the_product_never_imports():
+    """tests/, bench/ and scripts/ share code through `devtools`, never by editing sys.path; the serving packages do
+    not depend on the harness."""
+    harness = [p for d in ("tests", "bench", "scripts", "devtools") for p in (ROOT / d).rglob("*.py")]
+    edits = re.compile(r"sys\.path\s*(\.insert|\.append|\[|\+=)")
+    assert [p.relative_to(ROOT).as_posix() for p in harness if edits.search(p.read_text())] == []
+    modules = _modules()
+    users = [n for n, p in modules.items() if any(t.startswith("devtools") for t in _imports(n, p, {"devtools"}))]
+    assert users == []
 
 
 def test_the_tree_is_linted_and_formatted():

@@ -9,12 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from devtools.provenance import RESULT_NAME  # the rule the benchmarks write by
 from server.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "bench"))
-from provenance import RESULT_NAME  # noqa: E402 - the rule the benchmarks write by
 
 
 def test_readme_benchmark_tables_match_bench_results():

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from worker.kernels.cpu_class import build_flags, describe
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"  # includes the other files of csrc/
 CACHE = Path(os.environ.get("EAGLEGATE_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
@@ -33,9 +35,9 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-# Extra compiler flags, e.g. "-mno-avx512bf16 -mno-amx-tile" to build the paths of a CPU without those features on
-# one that has them (a build directory of its own); with ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI torch follows suit.
-EXTRA_FLAGS = os.environ.get("EAGLEGATE_CPU_FLAGS", "").split()
+# Extra compiler flags: a CPU class's (cpu_class.py) and EAGLEGATE_CPU_FLAGS, e.g. "-march=haswell" to build the
+# paths of a CPU without AVX-512 on one that has it (a build directory of its own).
+EXTRA_FLAGS = build_flags()
 
 
 def build_dir() -> Path:
@@ -102,4 +104,4 @@ if __name__ == "__main__":  # `python -m worker.kernels.cpu` (make serve/test): 
     if _module is None:
         print("fused CPU kernels not built: the eager torch path will run")
         raise SystemExit(1 if os.environ.get("CI") == "true" else 0)
-    print(f"fused CPU kernels built in {build_dir()}")
+    print(f"fused CPU kernels built in {build_dir()} for {describe()}")

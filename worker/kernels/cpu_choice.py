@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from worker.config import CPU_KERNEL_CHOICES
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels import cpu_class
+from worker.kernels.cpu_class import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,6 @@ class CpuKernel:
 
 PORTABLE = CpuKernel("portable", "torch int4 kernel")
 _active: CpuKernel | None = None
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def built() -> dict[str, str]:
@@ -88,7 +80,13 @@ def select(choice: str) -> CpuKernel:
     """Resolve `choice` and make it this process's variant (quant.pack packs for it); logged once."""
     global _active
     _active = resolve(choice)
-    log.info("CPU kernel for quantized linears: %s (--cpu-kernel %s)", _active, choice)
+    passing = cpu_class.active()
+    log.info(
+        "CPU kernel for quantized linears: %s (--cpu-kernel %s)%s",
+        _active,
+        choice,
+        f", passing for a CPU of class {passing.name} ({cpu_class.ENV})" if passing else "",
+    )
     return _active
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from worker.dist import TPGroup
 from worker.kernels import cpu as cpu_kernels
+from worker.kernels.cpu_class import onednn_bf16_linear
 from worker.kernels.fp8_gemm import Fp8Tensor, fp8_linear
 from worker.kernels.quant import Int4Weight, QBlocks, QTensor, cat_rows, int4_linear, pack, quantize_rtn, zero_rows
 
@@ -63,7 +64,10 @@ def _cols(w, start: int, stop: int):
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Prepack every dense linear weight for oneDNN on CPU in bfloat16. Returns how many were packed."""
+    """Prepack every dense bfloat16 linear weight on CPU for oneDNN, where its bfloat16 linear runs (else F.linear
+    multiplies them through torch's generic path). Returns how many were packed."""
+    if not onednn_bf16_linear():
+        return 0
     n = 0
     for mod in model.modules():
         w = getattr(mod, "weight", None)

@@ -10,6 +10,7 @@ import torch
 from worker.config import EngineConfig
 from worker.dist import TPGroup
 from worker.kernels import cpu_choice
+from worker.kernels.cpu_class import ONEDNN_BF16_FLAGS, onednn_bf16_linear
 from worker.kernels.quant import METHOD_BITS, resolve_quantization
 from worker.model.causal_lm import CausalLM
 from worker.model.config import ModelConfig, load_model_config
@@ -29,6 +30,12 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
             raise ValueError("float16 is supported on GPU only; use bfloat16 or float32 on CPU")
         return torch.float16
     if name == "bfloat16":
+        if device.type == "cpu" and not onednn_bf16_linear():
+            logger.warning(
+                "--dtype bfloat16: this CPU lacks what oneDNN's bfloat16 linear needs (%s, or avx_ne_convert), so "
+                "dense bfloat16 linears run on torch's generic kernel, slowly; --dtype auto picks float32 here",
+                "+".join(ONEDNN_BF16_FLAGS),
+            )
         return torch.bfloat16
     # auto: bfloat16 where the hardware has it; on CPU what the quantized linears' kernel serves best
     if device.type == "cuda":
@@ -36,7 +43,8 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
     if quantized and cpu_choice.active().name == "int8act":  # float32 between the linears, as llama.cpp: faster
         return torch.float32  # there than widening bfloat16 at every op, and closer to the float32 reference
     cap = torch.backends.cpu.get_cpu_capability()
-    return torch.bfloat16 if cap in ("AVX512", "AVX512_BF16", "AMX") or "AMX" in cap else torch.float32
+    wide = cap in ("AVX512", "AVX512_BF16", "AMX") or "AMX" in cap
+    return torch.bfloat16 if wide and onednn_bf16_linear() else torch.float32
 
 
 def will_quantize(config, source) -> bool:
@@ -143,6 +151,6 @@ def load_target(
     model = model.to(tp.device).eval()
     if method not in ("none", "fp8"):
         quantize_linears(model, METHOD_BITS.get(method), dtype)
-    if dtype == torch.bfloat16 and tp.device.type == "cpu" and torch.backends.mkldnn.is_available():
+    if dtype == torch.bfloat16 and tp.device.type == "cpu":
         pack_cpu_linears(model)
     return model, cfg

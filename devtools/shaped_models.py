@@ -11,16 +11,12 @@ Per-layer cost does not depend on the weights' values, so a step's time is the r
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from helpers import add_mtp_layer  # noqa: E402 - the MTP layer as published, shared with the tests
-
-from worker.model.files import default_model_dir  # noqa: E402
+from devtools.models import add_mtp_layer
+from worker.model.files import default_model_dir
 
 
 def _save(folder: Path, config, model_cls) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 MACHINES = {
     "epyc": "AMD EPYC with AVX512-BF16, no AMX",
     "xeon": "Intel Xeon without AVX512-BF16",

