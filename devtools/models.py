@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from worker.model.files import default_model_dir
+from worker.model.files import default_model_dir, eaglegate_home
 
 MLA_SHAPES = {
     "n_routed_experts": 8,
@@ -292,3 +292,23 @@ def eagle_flags(head: Path) -> list[str]:
     return ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head),
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
             "--speculative-cost-table", "off"]  # fmt: skip
+
+
+def transformers_reference(model_dir: Path, gguf_name: str):
+    """transformers' own float32 load of a GGUF, the independent reference for logits and greedy text. Reading the
+    GGUF through transformers dequantizes in Python (about 15 s); the result is kept as safetensors under
+    EAGLEGATE_HOME, keyed by the GGUF's digest and transformers' version: later sessions load it in about a second."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from runtime.agreement import file_digest
+
+    key = f"{file_digest(model_dir / gguf_name)}-{transformers.__version__}"
+    cached = eaglegate_home() / "transformers-reference" / f"{model_dir.name}-{key}"
+    if (cached / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), gguf_file=gguf_name, dtype=torch.float32).eval()
+    partial = cached.with_name(cached.name + ".partial")
+    model.save_pretrained(partial, safe_serialization=True)
+    partial.rename(cached)  # whole or absent: a killed save never passes for the reference
+    return model

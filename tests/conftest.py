@@ -65,11 +65,9 @@ def smol_engine(smol_dir):
 @pytest.fixture(scope="session")
 def hf_smol(smol_dir):
     """transformers' own load of the same GGUF, float32: the reference for logits and greedy text."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from devtools.models import transformers_reference
 
-    model = AutoModelForCausalLM.from_pretrained(str(smol_dir), gguf_file=GGUF_NAME, dtype=torch.float32)
-    return model.eval()
+    return transformers_reference(smol_dir, GGUF_NAME)
 
 
 @pytest.fixture(scope="session")

@@ -25,10 +25,16 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=[4, 12, 20, 33][i % 4], temperature=0, ignore_eos=True)
 
 
-def test_batch_equals_each_alone_and_frees_kv(smol_engine):
+@pytest.fixture(scope="module")
+def mixed_batch(smol_engine):
+    """The mixed prompts, their parameters and the float32 engine's output for them generated together."""
     prompts = _mixed_prompts(smol_engine)
     params = [_params(i) for i in range(len(prompts))]
-    together = smol_engine.generate(prompts, params)
+    return prompts, params, smol_engine.generate(prompts, params)
+
+
+def test_batch_equals_each_alone_and_frees_kv(smol_engine, mixed_batch):
+    prompts, params, together = mixed_batch
     alone = [smol_engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [len(r.token_ids) for r in together] == [p.max_new_tokens for p in params]
@@ -36,10 +42,8 @@ def test_batch_equals_each_alone_and_frees_kv(smol_engine):
     assert stats["kv_used_tokens"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
 
 
-def test_pool_too_small_for_all_still_finishes(smol_engine):
-    prompts = _mixed_prompts(smol_engine)
-    params = [_params(i) for i in range(len(prompts))]
-    ref = smol_engine.generate(prompts, params)
+def test_pool_too_small_for_all_still_finishes(mixed_batch):
+    prompts, params, ref = mixed_batch
     total = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
     # about a quarter of what all need at once, chunked prefill forcing several steps per long prompt
     cfg = EngineConfig(dtype="float32", max_total_tokens=256, chunked_prefill_size=64, block_size=16)

@@ -32,15 +32,6 @@ def test_tiny_llama_tp_matches_tp1(tiny_llama, tiny_reference, tp):
     assert out == tiny_reference
 
 
-def test_smollm2_tp3_matches_tp1(smol_engine):
-    prompts = [smol_engine.encode("The three primary colors are"), smol_engine.encode("Once upon a time")]
-    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
-    with Engine(EngineConfig(dtype="float32", tp_size=3, max_total_tokens=1024)) as eng:
-        out = [r.token_ids for r in eng.generate(prompts, params)]
-    assert out == ref
-
-
 def test_tp_that_does_not_divide_heads_is_refused(smol_dir):
     with pytest.raises(ModelLoadError, match="does not divide the 9 attention heads"):
         Engine(EngineConfig(tp_size=2))
