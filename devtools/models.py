@@ -4,6 +4,7 @@ benchmarks load instead of downloading anything."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -308,7 +309,15 @@ def transformers_reference(model_dir: Path, gguf_name: str):
     if (cached / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), gguf_file=gguf_name, dtype=torch.float32).eval()
+    from safetensors.torch import save_model
+
     partial = cached.with_name(cached.name + ".partial")
-    model.save_pretrained(partial, safe_serialization=True)
+    partial.mkdir(parents=True, exist_ok=True)
+    # transformers refuses save_pretrained on a model read from a GGUF (its quantizer is attached), though every
+    # weight is a plain float32 tensor by then: the tensors and the config are saved as they are
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config))
+    save_model(model, str(partial / "model.safetensors"))
     partial.rename(cached)  # whole or absent: a killed save never passes for the reference
     return model

@@ -104,4 +104,5 @@ if __name__ == "__main__":  # `python -m worker.kernels.cpu` (make serve/test): 
     if _module is None:
         print("fused CPU kernels not built: the eager torch path will run")
         raise SystemExit(1 if os.environ.get("CI") == "true" else 0)
-    print(f"fused CPU kernels built in {build_dir()} for {describe()}")
+    flags = " ".join(EXTRA_FLAGS) or "-march=native"
+    print(f"fused CPU kernels built in {build_dir()} ({flags}; this CPU: {describe()})")
