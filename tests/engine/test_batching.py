@@ -28,7 +28,7 @@ def _params(i: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def mixed_batch(smol_engine):
     """The mixed prompts, their parameters and the float32 engine's output for them generated together."""
-    prompts = _mixed_prompts(smol_engine)
+    prompts = _mixed_prompts(smol_engine, 12)
     params = [_params(i) for i in range(len(prompts))]
     return prompts, params, smol_engine.generate(prompts, params)
 

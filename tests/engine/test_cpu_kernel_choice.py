@@ -55,7 +55,7 @@ def test_speculative_output_is_plain_output_on_each_cpu_kernel(variant, smol_dir
     dtype = "bfloat16" if kernel == "portable" else "auto"
     cfg = EngineConfig(dtype=dtype, quantization="auto", cpu_kernel=kernel, max_total_tokens=4096)
     spec = dataclasses.replace(default_spec_config(), cost_table="off")  # draft on every step
-    params = SamplingParams(max_new_tokens=32, temperature=0)
+    params = SamplingParams(max_new_tokens=24, temperature=0)
     runs = {}
     for name, c in (("plain", cfg), ("spec", cfg.replace(spec=spec))):
         with Engine(c) as eng:

@@ -45,7 +45,7 @@ def _traffic(server: ServerProcess, model: str, rounds: int) -> None:
         body = {
             "model": model,
             "prompt": [5, 6, 7, 8] * 3,
-            "max_tokens": 24,
+            "max_tokens": 16,
             "temperature": 0 if i % 2 else 0.7,
             "ignore_eos": True,
         }
@@ -158,7 +158,7 @@ def _query(url: str, expr: str) -> list:
 
 def test_every_dashboard_query_returns_data(spec_server, prometheus):
     model = str(spec_server.proc.args[spec_server.proc.args.index("--model-path") + 1])
-    _traffic(spec_server, model, 5)
+    _traffic(spec_server, model, 3)
     # wait until Prometheus has scraped the traffic's effects (bounded)
     want = _value(_scrape(spec_server), "eaglegate_spec_verify_steps_total")
     assert want > 0
@@ -168,7 +168,7 @@ def test_every_dashboard_query_returns_data(spec_server, prometheus):
         if got and float(got[0]["value"][1]) >= want:
             break
         time.sleep(0.5)  # one scrape interval is 1 s
-    _traffic(spec_server, model, 3)  # a second burst so every rate() window holds an increase
+    _traffic(spec_server, model, 2)  # a second burst so every rate() window holds an increase
     time.sleep(2.5)  # two more scrapes of the second burst (scrape_interval 1 s)
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/eaglegate.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]

@@ -145,17 +145,25 @@ def test_soft_cross_entropy_reads_the_targets_top_k_inside_the_draft_vocabulary(
     assert torch.allclose(soft_cross_entropy(logits, two, torch.tensor([[0.75, 0.25]] * 5), vocab_index), mixed)
 
 
-def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_changes():
+@pytest.fixture(scope="module")
+def float_smol():
+    """The default model as training reads it: dense float32 weights, whichever kernel serves here."""
+    from training.train import float_target
+
+    return float_target(EngineConfig().model_path)
+
+
+def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_changes(float_smol):
     """More data picks another FR-Spec vocabulary: the saved head's rows must follow their token ids, not their
     positions, and tokens it never drafted start at zero (the target's rows would outscale the trained ones)."""
     import torch
     from safetensors.torch import load_file
 
     from speculative.defaults import DEFAULT_HEAD
-    from training.train import float_target, warm_start
+    from training.train import warm_start
     from training.train_model import TrainableEagle3
 
-    target, _ = float_target(EngineConfig().model_path)
+    target, _ = float_smol
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     old_vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
     unseen = torch.tensor([t for t in range(target.lm_head.weight.shape[0]) if t not in set(old_vocab.tolist())][:100])
@@ -169,17 +177,17 @@ def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_chan
     assert torch.equal(head.fc_w, saved["fc.weight"].float())
 
 
-def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine):
+def test_a_wider_head_starts_as_the_saved_one_and_serves(tmp_path, smol_engine, float_smol):
     """--draft-intermediate: a head warm-started from a narrower one computes what it did (its new MLP units start
     with zero outputs), exports its width, and the engine serves it losslessly."""
     from safetensors.torch import load_file
 
     from speculative.defaults import DEFAULT_HEAD
     from speculative.heads import read_draft
-    from training.train import export_head, float_target, warm_start
+    from training.train import export_head, warm_start
     from training.train_model import TrainableEagle3
 
-    target, cfg = float_target(EngineConfig().model_path)
+    target, cfg = float_smol
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
     narrow, wide = TrainableEagle3(target, vocab), TrainableEagle3(target, vocab, intermediate=2048)
