@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from runtime.engine import Engine
 from worker.config import EngineConfig
+from worker.kernels import cpu_class
 
 log = logging.getLogger("eaglegate.supervisor")
 RESTART_WINDOW_S = 600.0  # restarts counted over the last ten minutes
@@ -46,9 +47,10 @@ class EngineSupervisor:
         engine = Engine(self.config, on_step=self.metrics.on_step, on_fatal=self.metrics.on_fatal)
         if engine.ready.cpu_kernel:
             log.info(
-                "CPU kernel for quantized linears: %s (--cpu-kernel %s)",
+                "CPU kernel for quantized linears: %s (--cpu-kernel %s)%s",
                 engine.ready.cpu_kernel,
                 self.config.cpu_kernel,
+                cpu_class.passing_note(),
             )
         return engine
 

@@ -80,13 +80,7 @@ def select(choice: str) -> CpuKernel:
     """Resolve `choice` and make it this process's variant (quant.pack packs for it); logged once."""
     global _active
     _active = resolve(choice)
-    passing = cpu_class.active()
-    log.info(
-        "CPU kernel for quantized linears: %s (--cpu-kernel %s)%s",
-        _active,
-        choice,
-        f", passing for a CPU of class {passing.name} ({cpu_class.ENV})" if passing else "",
-    )
+    log.info("CPU kernel for quantized linears: %s (--cpu-kernel %s)%s", _active, choice, cpu_class.passing_note())
     return _active
 
 

@@ -117,3 +117,9 @@ def describe() -> str:
     have = " ".join(f for f in keep if f in cpu_flags()) or "none of " + " ".join(keep)
     c = active()
     return f"{have} (passing for {c.name})" if c else have
+
+
+def passing_note() -> str:
+    """What a log line about the CPU adds while a class is set: ', passing for a CPU of class avx2 (...)', or ''."""
+    c = active()
+    return f", passing for a CPU of class {c.name} ({ENV})" if c else ""
