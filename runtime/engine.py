@@ -35,6 +35,7 @@ from worker.sampling.params import InvalidParameterError, SamplingParams, TokenL
 from worker.stats import EngineSnapshot
 
 from .rank_main import run_rank
+from .rank_start import rank_context
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +173,14 @@ class Engine:
         cfg = self.config
         addr = cfg.dist_init_addr or f"127.0.0.1:{free_port()}"
         init_method = f"tcp://{addr}"
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(cfg.device)
         procs = []
         local = cfg.local_tp_size
         for local_rank in range(local):
             rank = cfg.node_rank * local + local_rank
             p = ctx.Process(
                 target=run_rank,
-                args=(cfg, rank, local_rank, init_method, in_addr, out_addr),
+                args=(cfg, rank, local_rank, init_method, in_addr, out_addr, dict(os.environ)),
                 name=f"eaglegate-tp{rank}",
                 daemon=True,
             )
@@ -523,14 +524,14 @@ def start_follower_ranks(config: EngineConfig) -> list[mp.Process]:
     config.validate()
     if not config.dist_init_addr:
         raise ValueError("--dist-init-addr is required when --node-rank > 0")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(config.device)
     local = config.local_tp_size
     procs = []
     for local_rank in range(local):
         rank = config.node_rank * local + local_rank
         p = ctx.Process(
             target=run_rank,
-            args=(config, rank, local_rank, f"tcp://{config.dist_init_addr}", "", ""),
+            args=(config, rank, local_rank, f"tcp://{config.dist_init_addr}", "", "", dict(os.environ)),
             name=f"eaglegate-tp{rank}",
         )
         p.start()

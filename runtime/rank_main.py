@@ -29,6 +29,7 @@ from worker.protocol import Fatal, ForwardPlan, IdlePlan, Ready, Shutdown, Shutd
 from worker.runner import ModelRunner
 
 from .agreement import StartupMismatchError, agree
+from .rank_start import begin_rank
 
 HEARTBEAT_S = 1.0  # an idle leader broadcasts this often so followers' collectives never time out
 GRAMMAR_POLL_MS = 5  # how often an idle leader looks for a finished grammar compile
@@ -55,20 +56,26 @@ def init_group(config: EngineConfig, rank: int, local_rank: int, init_method: st
     return TPGroup(rank, config.tp_size, device, dist.group.WORLD, cpu_group)
 
 
-def die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the process that started it dies, so none is orphaned."""
+def die_with_parent(rank: int) -> None:
+    """Linux: the kernel kills this worker when the process that started it dies (the engine's process, or the
+    forkserver, which exits with it), so none is orphaned; and `ps`, `top` and the tests see it as eaglegate-tpN."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, f"eaglegate-tp{rank}".encode()[:15])  # PR_SET_NAME: /proc/PID/comm
     except (OSError, AttributeError):
         pass
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
 
 
-def run_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str, in_addr: str, out_addr: str) -> None:
-    die_with_parent()
+def run_rank(
+    config: EngineConfig, rank: int, local_rank: int, init_method: str, in_addr: str, out_addr: str, env: dict
+) -> None:
+    begin_rank(env)
+    die_with_parent(rank)
     local = config.local_tp_size
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // local))
     ctx = outbox = tp = None

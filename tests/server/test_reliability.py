@@ -180,7 +180,7 @@ def test_api_key_never_leaks(server):
 
 def _workers(s: ServerProcess) -> list[int]:
     tree = sorted(descendants(s.proc.pid) - {s.proc.pid})
-    return [p for p in tree if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in tree if Path(f"/proc/{p}/comm").read_text().startswith("eaglegate-tp")]
 
 
 def test_worker_death_gives_503_then_the_group_restarts(tiny_llama, head):

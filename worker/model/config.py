@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from worker.model import fp8
 from worker.model.files import ModelLoadError, ModelSource, read_gguf
@@ -258,14 +260,21 @@ def config_from_gguf(reader) -> ModelConfig:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
-        try:
-            reader = read_gguf(source.path)
-        except Exception as e:  # gguf raises assorted errors on truncated or corrupt files
-            raise ModelLoadError(f"cannot read GGUF file {source.path}: {e}") from e
-        return config_from_gguf(reader)
+        stat = source.path.stat()
+        return _gguf_config(str(source.path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
     cfg_path = source.path / "config.json"
     try:
         hf = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
     return config_from_hf(hf)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: str, dev: int, inode: int, size: int, mtime_ns: int) -> ModelConfig:
+    """Once per file and process: the front end reads it at every engine start, and parsing takes half a second."""
+    try:
+        reader = read_gguf(Path(path))
+    except Exception as e:  # gguf raises assorted errors on truncated or corrupt files
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    return config_from_gguf(reader)

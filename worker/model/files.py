@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -114,12 +115,32 @@ def _gguf_reader(path: str, dev: int, inode: int, size: int, mtime_ns: int):
 
     class Reader(gguf.GGUFReader):
         """Reads through a plain array view of the file's mapping: the base class slices its np.memmap once per
-        metadata value, and each memmap slice pays numpy's memmap bookkeeping (3x the parse time)."""
+        metadata value, and each memmap slice pays numpy's memmap bookkeeping (3x the parse time). Arrays of
+        strings (a tokenizer's 49K tokens and merges) are walked in one loop instead of one call per string
+        (a tenth of the time), giving the same parts, so `contents()` reads them as the base class would."""
 
         def _get(self, offset, dtype, count=1, override_order=None):
             if type(self.data) is np.memmap:
                 self.data = self.data.view(np.ndarray)
             return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            if raw_itype[0] != gguf.GGUFValueType.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            alen = self._get(orig_offs + 4, np.uint64)
+            data = self.data
+            lengths = struct.Struct("<Q")
+            parts, idxs, offs = [raw_itype, alen], [], orig_offs + 12
+            for _ in range(int(alen[0])):
+                (n,) = lengths.unpack_from(data, offs)
+                idxs.append(len(parts) + 1)
+                parts += (data[offs : offs + 8].view(np.uint64), data[offs + 8 : offs + 8 + n])
+                offs += 8 + n
+            types = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+            return offs - orig_offs, parts, idxs, types
 
     return Reader(path)
 
