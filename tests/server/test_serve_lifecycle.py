@@ -61,12 +61,8 @@ def test_make_serve_answers_chat_and_sigterm_exits_cleanly(smol_dir, tmp_path):
         assert r.choices[0].message.content.strip()
         tree = descendants(proc.pid)
         assert len(tree) >= 3  # make -> eaglegate -> at least one TP worker
-        server_pid = next(
-            p
-            for p in tree
-            if b"eaglegate" in Path(f"/proc/{p}/cmdline").read_bytes()
-            and b"serve" in Path(f"/proc/{p}/cmdline").read_bytes()
-        )
+        argv = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in tree}
+        server_pid = next(p for p in tree if b"serve" in argv[p] and any(a.endswith(b"eaglegate") for a in argv[p]))
         os.kill(server_pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 10
