@@ -131,7 +131,6 @@ class Engine:
         self.model_cfg = load_model_config(self.source)
         forget_gguf()  # the front end needs the config alone, not the file's mapping
         check_tp_divisibility(self.model_cfg, config.tp_size)
-        self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)
         self.on_step, self.on_fatal = on_step, on_fatal
         self.observer_errors = 0  # observer (on_step/on_fatal) calls that raised
         self._sinks: dict[str, _Sink] = {}
@@ -153,8 +152,11 @@ class Engine:
         self._procs = self._start_workers(in_addr, out_addr)
         t0 = time.monotonic()
         try:
+            self.tokenizer = load_tokenizer(self.source, config.tokenizer_path)  # while the ranks load
             self.ready = self._wait_ready()
-        except BaseException:  # a failed start leaks nothing: no socket, no zmq context, no ipc folder
+        except BaseException:  # a failed start leaks nothing: no rank, no socket, no zmq context, no ipc folder
+            self._closing = True  # (no flight records: nothing was served)
+            self._kill_workers()
             self._to_leader.close()
             self._from_leader.close()
             self._zctx.term()

@@ -33,7 +33,7 @@ def _import_time_env() -> dict[str, str]:
 def rank_context(device: str) -> BaseContext:
     """The multiprocessing context to start this engine's ranks with (see the module's docstring)."""
     global _forkserver_env
-    if sys.platform != "linux" or device == "cuda" or (device == "auto" and _gpu_present()):
+    if sys.platform != "linux" or device == "cuda" or (device == "auto" and gpu_present()):
         return mp.get_context("spawn")
     env = _import_time_env()
     if _forkserver_env is None:
@@ -44,10 +44,19 @@ def rank_context(device: str) -> BaseContext:
     return mp.get_context("forkserver" if env == _forkserver_env else "spawn")
 
 
-def _gpu_present() -> bool:
-    import torch
+def gpu_present() -> bool:
+    """A CUDA or ROCm device node exists: a guess that needs no torch import (so the forkserver can start before
+    the front end imports anything heavy); where it errs, it errs towards spawn, which works everywhere."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
 
-    return torch.cuda.is_available()
+
+def prestart(device: str) -> None:
+    """Start the forkserver now, so its import of torch runs beside the front end's imports and tokenizer load
+    rather than after them (about 1.5 s of a server's start-up on two cores)."""
+    if rank_context(device).get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def begin_rank(env: dict[str, str]) -> None:

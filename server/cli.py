@@ -234,6 +234,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from runtime.rank_start import prestart
+
+    prestart(args.device)  # the ranks' forkserver imports torch while this process imports the front end
     from .serve import serve
 
     key = api_key(args) if args.node_rank == 0 else None  # only node 0 serves the API; others /health, /metrics

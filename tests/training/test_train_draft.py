@@ -166,7 +166,8 @@ def test_warm_start_matches_lm_head_rows_by_token_when_the_draft_vocabulary_chan
     target, _ = float_smol
     saved = load_file(str(DEFAULT_HEAD / "model.safetensors"))
     old_vocab = torch.arange(len(saved["d2t"])) + saved["d2t"]
-    unseen = torch.tensor([t for t in range(target.lm_head.weight.shape[0]) if t not in set(old_vocab.tolist())][:100])
+    drafted = set(old_vocab.tolist())
+    unseen = torch.tensor([t for t in range(target.lm_head.weight.shape[0]) if t not in drafted][:100])
     new_vocab = torch.sort(torch.cat([old_vocab[100:], unseen])).values  # 100 tokens out, 100 others in
     head = TrainableEagle3(target, new_vocab)
     warm_start(head, str(DEFAULT_HEAD))
