@@ -53,11 +53,6 @@ INT8ACT_LOGIT_TOLERANCE = 0.08
 NEAR_TIE = 1.0
 
 
-def _gguf_tensor(name: str):
-    reader = gguf.GGUFReader(str(resolve_model("smollm2-135m-instruct").path))
-    return next(t for t in reader.tensors if t.name == name)
-
-
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_are_the_files_own_values(kind):
     """Q4_0/Q4_1/Q8_0 blocks read as codes, scales and offsets dequantize to exactly what gguf dequantizes."""
@@ -69,12 +64,26 @@ def test_gguf_blocks_are_the_files_own_values(kind):
     assert torch.equal(ours, torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
 
 
-def test_real_file_tensors_load_exactly():
+def test_real_file_reads_and_loads_exactly_as_gguf_reads_it():
+    """The project's reader (string arrays walked in one loop, not one call per string) gives gguf's own fields,
+    parts and tensors; the file's Q4_1 and Q8_0 tensors load as their own blocks (`gguf`) and, dense (`none`), as
+    gguf's dequantization, bit for bit."""
+    from worker.model.files import read_gguf
+
+    path = resolve_model("smollm2-135m-instruct").path
+    ours, theirs = read_gguf(path), gguf.GGUFReader(str(path))
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, a in ours.fields.items():
+        b = theirs.fields[key]
+        assert (a.offset, a.data, a.types) == (b.offset, b.data, b.types) and a.contents() == b.contents(), key
+        assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a.parts, b.parts, strict=True)), key
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
     for name in ("blk.0.attn_q.weight", "token_embd.weight"):  # Q4_1 and Q8_0 in the shipped file
-        t = _gguf_tensor(name)
+        t = next(t for t in theirs.tensors if t.name == name)
+        ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
         qt = gguf_tensor(t, "gguf")
         assert isinstance(qt, QTensor) and qt.bits == (4 if t.tensor_type.name == "Q4_1" else 8)
-        assert torch.equal(qt.dequantize(), torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)))
+        assert torch.equal(qt.dequantize(), ref) and torch.equal(gguf_tensor(t, "none"), ref)
 
 
 def test_requantized_types_and_dense_load():
