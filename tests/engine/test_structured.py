@@ -74,17 +74,12 @@ def _spec(**kw) -> SpecConfig:  # every step drafts: calibration is not under te
     return SpecConfig("EAGLE3", str(DEFAULT_HEAD), **({"cost_table": "off"} | kw))
 
 
-@pytest.fixture(scope="module")
-def served_plain(smol_dir):
-    """The default model as served (quantized weights, this CPU's kernel), without speculation: grammars are applied
-    to logits on rank 0 whatever the dtype, and this engine decodes several times faster than float32."""
+def test_random_schemas_validate_without_speculation(smol_dir):
+    """A sample, on the default model as served (quantized weights, this CPU's kernel): grammars are applied to
+    logits on rank 0 whatever the dtype, and this engine decodes several times faster than float32. The whole set
+    runs with speculation below, where drafts meet the grammar."""
     with Engine(EngineConfig(max_total_tokens=32768)) as eng:
-        yield eng
-
-
-def test_random_schemas_validate_without_speculation(served_plain):
-    """A sample: the whole set runs with speculation below, where drafts meet the grammar."""
-    _assert_valid(served_plain.generate(*_requests(served_plain, 12)))
+        _assert_valid(eng.generate(*_requests(eng, 12)))
 
 
 @pytest.mark.parametrize("tp", [1, 3])

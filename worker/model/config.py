@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.model import fp8
-from worker.model.files import ModelLoadError, ModelSource, read_gguf
+from worker.model.files import ModelLoadError, ModelSource, file_identity, read_gguf
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -260,8 +260,7 @@ def config_from_gguf(reader) -> ModelConfig:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
-        stat = source.path.stat()
-        return _gguf_config(str(source.path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        return _gguf_config(*file_identity(source.path))
     cfg_path = source.path / "config.json"
     try:
         hf = json.loads(cfg_path.read_text())

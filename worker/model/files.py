@@ -96,11 +96,16 @@ def _ensure_tokenizer_cache(folder: Path, gguf_path: Path) -> Path:
     return tok_dir
 
 
+def file_identity(path: Path) -> tuple[str, int, int, int, int]:
+    """A cache key for what a file holds now: its path and stat (a rewritten or replaced file gets a new key)."""
+    stat = Path(path).stat()
+    return str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def read_gguf(path: Path):
     """The file's `gguf.GGUFReader`, parsed once per process: the model config, the weights and the start-up
     agreement all read it, and parsing a tokenizer's metadata takes seconds."""
-    stat = Path(path).stat()
-    return _gguf_reader(str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return _gguf_reader(*file_identity(path))
 
 
 def forget_gguf() -> None:
