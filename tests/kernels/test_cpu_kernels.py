@@ -66,7 +66,7 @@ def test_rope_write_cache_matches_eager_rotary(rot, cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 48])  # the AVX-512 head-64 path and the generic one
+@pytest.mark.parametrize("d", [64, 48])  # the vector head-64 path (AVX-512 or AVX2) and the generic one
 def test_attend_rows_matches_softmax_attention_and_is_row_independent(d, cache_dtype):
     h, hkv, slots_total = 9, 3, 512
     g = _gen()
@@ -92,6 +92,34 @@ def test_attend_rows_matches_softmax_attention_and_is_row_independent(d, cache_d
             q[r : r + 1].contiguous(), k_cache, v_cache, row_slots[r : r + 1], counts[r : r + 1], scale, torch.float32
         )
         assert torch.equal(alone[0], out[r])  # bits independent of the rows beside it
+
+
+@pytest.mark.parametrize("d", [64, 48])
+def test_a_chunks_rows_over_one_shared_list_get_the_bits_each_row_gets_alone(d):
+    """A prefill chunk passes one key list for all its rows (row r reads its first counts[r] slots): every row gets
+    the bits of the same position decoded alone, so a prompt's numbers do not depend on how it was chunked or how
+    much of it the prefix cache held."""
+    h, hkv = 6, 2
+    g = _gen(1)
+    k_cache = torch.randn(256, hkv, d, generator=g).bfloat16()
+    v_cache = torch.randn(256, hkv, d, generator=g).bfloat16()
+    keys = torch.randperm(256, generator=g)[:90]  # a sequence's slots, in position order, scattered over blocks
+    q = torch.randn(40, h, d, generator=g)
+    counts = torch.arange(51, 91)  # the chunk's rows are positions 50..89 after 50 cached tokens
+    chunk = K.attend_rows(q, k_cache, v_cache, keys.view(1, -1), counts, d**-0.5, torch.bfloat16)
+    for r in (0, 17, 39):
+        alone = K.attend_rows(
+            q[r : r + 1].contiguous(),
+            k_cache,
+            v_cache,
+            keys[: counts[r]].view(1, -1),
+            counts[r : r + 1],
+            d**-0.5,
+            torch.bfloat16,
+        )
+        assert torch.equal(chunk[r], alone[0])
+    with pytest.raises(RuntimeError, match="1..width keys"):
+        K.attend_rows(q, k_cache, v_cache, keys[:60].view(1, -1), counts, d**-0.5, torch.bfloat16)
 
 
 def test_attend_rows_refuses_bad_slots():

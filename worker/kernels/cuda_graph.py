@@ -114,7 +114,7 @@ class StaticBuffers:
             slot_mapping=self.slots[:bucket],
             kv_slots=empty,
             mask=empty,
-            spans=[],
+            chunks=[],
             paged=paged,
             block_size=self.block_size,
         )

@@ -1,8 +1,10 @@
 """Paged KV cache and masked attention over a ragged batch: `attend(q, k, v, cache, meta)`.
 
-Short steps (decode, tree verification) attend row by row over gathered keys, long chunks (prefill) run torch SDPA
-per sequence with a mask; no sequence's numbers depend on another's. On CPU the arithmetic is float32 (bfloat16
-SDPA is 4-5x slower for decode); the cache is bfloat16 where fused kernels run.
+Short steps (decode, tree verification) attend row by row over gathered keys; long chunks (prefill) run torch SDPA
+per sequence with a mask, or, where the fused CPU kernels run, the same row-wise kernel over one shared key list, so
+a position gets the same bits whether it is prefilled in any chunk, hit in the prefix cache, decoded or verified. No
+sequence's numbers depend on another's. On CPU the arithmetic is float32 (bfloat16 SDPA is 4-5x slower for decode);
+the cache is bfloat16 where fused kernels run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
     kv_slots: torch.Tensor | None  # [B, L] cache slot of each key position (None: every row attends row-wise, fused)
     mask: torch.Tensor | None  # [B, 1, T, L] bool: which keys each query row may see
-    spans: list[tuple[int, int, int]]  # per sequence: first query row, query rows, keys
+    chunks: list[tuple[int, int, int, int]]  # sequences that attend as a chunk: (index, first query row, rows, keys)
     row_index: torch.Tensor | None = None  # [R] the query rows that attend row-wise (sequences of short chunks)
     row_kv_slots: torch.Tensor | None = None  # [R, Lr] each such row's own keys, in order, padded at the end
     row_bias: torch.Tensor | None = None  # [R, 1, Lr] float: 0 for real keys, -inf for padding
@@ -36,9 +38,15 @@ class AttentionMetadata:
 # in position order, padded at the end to a multiple of ROW_KEY_BUCKET, through batched matmuls whose per-row
 # arithmetic does not depend on the batch (torch's CPU SDPA does: it splits work by batch size). A row's result then
 # depends only on its own keys, so a token verified inside an EAGLE tree gets the same bits as the same token
-# decoded alone, and a request's output does not depend on the batch it shares.
+# decoded alone, and a request's output does not depend on the batch it shares. A verify tree always attends row-wise,
+# whatever its size; a chunk of more than ROW_WISE_MAX_Q causal rows attends as a chunk.
 ROW_WISE_MAX_Q = 16
 ROW_KEY_BUCKET = 64
+
+
+def _row_wise(s: SeqSlice) -> bool:
+    """Whether a sequence's rows attend row-wise this step: a verify tree always, a causal chunk up to 16 rows."""
+    return s.tree is not None or s.q_len <= ROW_WISE_MAX_Q
 
 
 def _row_keys(mask: torch.Tensor, kv_slots: torch.Tensor, q_valid: torch.Tensor):
@@ -59,7 +67,7 @@ def _row_keys(mask: torch.Tensor, kv_slots: torch.Tensor, q_valid: torch.Tensor)
 def build_attention_metadata(
     seqs: list[SeqSlice], block_size: int, device: torch.device, backend: str = "torch"
 ) -> AttentionMetadata:
-    if backend == "torch" and all(s.q_len <= ROW_WISE_MAX_Q for s in seqs) and cpu_kernels.ops(device) is not None:
+    if backend == "torch" and all(_row_wise(s) for s in seqs) and cpu_kernels.ops(device) is not None:
         return _fused_row_metadata(seqs, block_size)
     B = len(seqs)
     q_lens = torch.tensor([s.q_len for s in seqs])
@@ -95,7 +103,7 @@ def build_attention_metadata(
             mask[i, : s.q_len, c : c + e] = s.tree.mask
             mask[i, :, c + e :] = False
             slot_mapping[offsets[i] : offsets[i] + s.q_len] = torch.tensor(s.tree.write_slots, dtype=torch.long)
-    short = q_lens <= ROW_WISE_MAX_Q  # each sequence's path depends on its own chunk, never on its batch-mates
+    short = torch.tensor([_row_wise(s) for s in seqs])  # each sequence's path depends on its own step, not its mates'
     rows = bool(short.any())
     if rows:
         row_q = q_valid & short.unsqueeze(1)
@@ -110,7 +118,13 @@ def build_attention_metadata(
         slot_mapping=slot_mapping.to(device),
         kv_slots=kv_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
-        spans=list(zip(starts.tolist(), q_lens.tolist(), kv_lens.tolist())),
+        chunks=[
+            (i, start, q_len, kv_len)
+            for i, (start, q_len, kv_len, row) in enumerate(
+                zip(starts.tolist(), q_lens.tolist(), kv_lens.tolist(), short.tolist())
+            )
+            if not row
+        ],
         row_index=None if not rows else row_index.to(device),
         row_kv_slots=None if not rows else row_slots.to(device),
         row_bias=None
@@ -147,7 +161,7 @@ def _fused_row_metadata(seqs: list[SeqSlice], block_size: int) -> AttentionMetad
         slot_mapping=torch.cat(writes),
         kv_slots=None,
         mask=None,
-        spans=[(0, s.q_len, 0) for s in seqs],  # only their q_len is read (no long chunk to attend)
+        chunks=[],
         row_index=torch.arange(n),
         row_kv_slots=torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
         row_counts=torch.tensor(counts, dtype=torch.long),
@@ -191,12 +205,13 @@ def attend_rotated(
     scale: float,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The fused CPU path, after `kernels.rope_write_cache` has rotated q (float32 [N, H, D]) and written k, v: short
-    chunks attend row by row in the fused kernel, long ones through SDPA. Returns [N, H, D] in dtype."""
+    """The fused CPU path, after `kernels.rope_write_cache` has rotated q (float32 [N, H, D]) and written k, v: every
+    row attends in the fused row-wise kernel, short steps over their own key lists, each long chunk's causal rows
+    over prefixes of its one list. Returns [N, H, D] in dtype."""
     rows = meta.row_index
     if rows is not None and rows.numel() == q.shape[0]:  # decode and verify: every row in one call
         return kernels.attend_rows(q, k_cache, v_cache, meta.row_kv_slots, meta.row_counts, scale, dtype)
-    covered = (0 if rows is None else rows.numel()) + sum(q_len for _, q_len, _ in meta.spans if q_len > ROW_WISE_MAX_Q)
+    covered = (0 if rows is None else rows.numel()) + sum(q_len for _, _, q_len, _ in meta.chunks)
     if covered != q.shape[0]:
         raise ValueError(f"attention metadata covers {covered} of {q.shape[0]} rows (built for another backend?)")
     out = torch.empty(q.shape, dtype=dtype)
@@ -208,7 +223,12 @@ def attend_rotated(
                 q.index_select(0, rows), k_cache, v_cache, meta.row_kv_slots, meta.row_counts, scale, dtype
             ),
         )
-    _attend_chunks(q, k_cache, v_cache, meta, scale, out)
+    for i, start, q_len, kv_len in meta.chunks:
+        counts = torch.arange(kv_len - q_len + 1, kv_len + 1)  # row t sees the keys up to its own position
+        keys = meta.kv_slots[i : i + 1, :kv_len]
+        out[start : start + q_len] = kernels.attend_rows(
+            q[start : start + q_len], k_cache, v_cache, keys, counts, scale, dtype
+        )
     return out
 
 
@@ -221,9 +241,7 @@ def _attend_chunks(
     out: torch.Tensor,
 ) -> None:
     """Long chunks (prefill): one SDPA per sequence, so a sequence's numbers do not depend on its batch-mates."""
-    for i, (start, q_len, kv_len) in enumerate(meta.spans):
-        if q_len <= ROW_WISE_MAX_Q:
-            continue
+    for i, start, q_len, kv_len in meta.chunks:
         slots = meta.kv_slots[i, :kv_len]
         kp = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, kv_len, D]
         vp = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)

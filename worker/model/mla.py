@@ -22,7 +22,7 @@ from worker.dist import TPGroup
 from worker.kernels.fp8_gemm import Fp8Tensor
 from worker.kernels.quant import QTensor
 from worker.kernels.triton_mla import triton_mla_attend
-from worker.model.attention import ROW_WISE_MAX_Q, AttentionMetadata, _row_gather
+from worker.model.attention import AttentionMetadata, _row_gather
 from worker.model.config import ModelConfig
 from worker.model.layers import (
     MergedColumnParallelLinear,
@@ -174,9 +174,7 @@ class MLAttention(nn.Module):
     ) -> None:
         """Long chunks (prefill): each sequence's latents expanded to per-head K and V, one SDPA per sequence."""
         w = self.kv_b_proj.float32()
-        for i, (start, q_len, kv_len) in enumerate(meta.spans):
-            if q_len <= ROW_WISE_MAX_Q:
-                continue
+        for i, start, q_len, kv_len in meta.chunks:
             lat = cache.index_select(0, meta.kv_slots[i, :kv_len])[:, 0].float()  # [kv_len, lora+rope]
             kv = F.linear(lat[:, : self.lora], w).view(kv_len, self.heads, -1)
             k = torch.cat([kv[..., : self.nope], lat[:, None, self.lora :].expand(-1, self.heads, -1)], dim=-1)

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cstring>
@@ -125,8 +125,9 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, features] with contiguous features");
 }
 
-#ifdef __AVX512F__
-// Head size 64 with AVX-512: a key or value row is four registers, the accumulator stays in registers, and each dot
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define EAGLEGATE_HEAD64 1
+// Head size 64 in vector registers (AVX-512: 4 per row; AVX2: 8): the accumulators stay in registers and each dot
 // product is reduced by one fixed shuffle sequence.
 // The cache rows a step reads were evicted by the weights streamed since the last step, and a row's keys are
 // gathered by slot, so the hardware prefetcher sees no stream: fetch the key (value) row this many ahead.
@@ -137,60 +138,99 @@ inline void prefetch_row64(const C* row) {  // one head's 64 cached values
   for (size_t b = 0; b < 64 * sizeof(C); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper half: widen and shift, exactly
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// The lane sums of 16 vectors, out[i] = sum of v[i]'s lanes, by one fixed tree of shuffles and adds: about 3
-// instructions a vector, where a horizontal reduce of each is 8.
-inline __m512 sum16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // 256-bit halves: [v2i: q0+q2, q1+q3 | v2i+1: q0+q2, q1+q3] (q: 128-bit quarters)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int j = 0; j < 4; ++j)  // quarter L of b[j]: four partial sums of v[4j + L]
-    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-  __m512 c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-  __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1));
-  __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1));
-  __m512 d = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // d[4L + j] = sum of v[4j + L]
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, d);
-}
+#ifdef __AVX512F__
+struct Vec {  // 16 float32 lanes
+  using T = __m512;
+  static constexpr int W = 16;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const c10::BFloat16* p) {  // bfloat16 is float32's upper half: widen and shift, exactly
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  // The lane sums of 16 vectors, out[i] = sum of v[i]'s lanes, by one fixed tree of shuffles and adds: about 3
+  // instructions a vector, where a horizontal reduce of each is 8.
+  static T sums(const T* v) {
+    T a[8], b[4];
+    for (int i = 0; i < 8; ++i)  // 256-bit halves: [v2i: q0+q2, q1+q3 | v2i+1: q0+q2, q1+q3] (q: 128-bit quarters)
+      a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int j = 0; j < 4; ++j)  // quarter L of b[j]: four partial sums of v[4j + L]
+      b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    T c0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    T c1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c0), _mm512_castps_pd(c1));
+    T d = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // d[4L + j] = sum of v[4j + L]
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, d);
+  }
+};
+#else
+struct Vec {  // 8 float32 lanes (AVX2 and FMA)
+  using T = __m256;
+  static constexpr int W = 8;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const c10::BFloat16* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  // out[i] = sum of v[i]'s lanes for 8 vectors: pairwise adds within each 128-bit half, then the halves added.
+  static T sums(const T* v) {
+    T a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    T a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    T b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // [v0..v3 low-half sums | v0..v3 high-half sums]
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+  }
+};
+#endif
+constexpr int R64 = 64 / Vec::W;  // registers per head row
 
 // The query heads g0 .. g0 + H of one row that share a KV head (GQA), head_dim 64: each cached key and value row is
-// loaded and widened once for all of them. Scores go 16 keys at a time through sum16; each head's softmax and
-// weighted sum of values run in a fixed order over the row's own keys, so its result is the same whatever other
+// loaded and widened once for all of them. Scores go Vec::W keys at a time through Vec::sums; each head's softmax
+// and weighted sum of values run in a fixed order over the row's own keys, so its result is the same whatever other
 // heads or rows run beside it.
 template <typename C, int H>
 inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
                            int64_t width, float scale, float* p, float* out) {
-  __m512 part[H][16];
+  using V = Vec;
+  typename V::T part[H][V::W];
+  float block[V::W];
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(k0 + slots[t] * stride);
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    int64_t n = std::min<int64_t>(16, len - t0);
+  for (int64_t t0 = 0; t0 < len; t0 += V::W) {
+    int64_t n = std::min<int64_t>(V::W, len - t0);
     for (int64_t i = 0; i < n; ++i) {
       int64_t t = t0 + i;
       const C* k = k0 + slots[t] * stride;
       if (t + kPrefetchKeys < len) prefetch_row64(k0 + slots[t + kPrefetchKeys] * stride);
-      __m512 k_0 = load16(k), k_1 = load16(k + 16), k_2 = load16(k + 32), k_3 = load16(k + 48);
-      for (int h = 0; h < H; ++h) {
+      typename V::T kr[R64];
+      for (int j = 0; j < R64; ++j) kr[j] = V::load(k + j * V::W);
+      for (int h = 0; h < H; ++h) {  // two chains (even and odd registers), then their sum
         const float* qh = q + h * 64;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), k_0);
-        __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qh + 16), k_1);
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 32), k_2, a);
-        b = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 48), k_3, b);
-        part[h][i] = _mm512_add_ps(a, b);
+        typename V::T a = V::mul(V::load(qh), kr[0]), b = V::mul(V::load(qh + V::W), kr[1]);
+        for (int j = 2; j < R64; j += 2) {
+          a = V::fmadd(V::load(qh + j * V::W), kr[j], a);
+          b = V::fmadd(V::load(qh + (j + 1) * V::W), kr[j + 1], b);
+        }
+        part[h][i] = V::add(a, b);
       }
     }
-    __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     for (int h = 0; h < H; ++h) {
-      for (int64_t i = n; i < 16; ++i) part[h][i] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(p + h * width + t0, mask, _mm512_mul_ps(sum16(part[h]), _mm512_set1_ps(scale)));
+      for (int64_t i = n; i < V::W; ++i) part[h][i] = V::zero();
+      V::store(block, V::mul(V::sums(part[h]), V::set1(scale)));
+      std::memcpy(p + h * width + t0, block, n * sizeof(float));
     }
   }
   for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(v0 + slots[t] * stride);  // under the softmax
@@ -202,27 +242,26 @@ inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t str
     for (int64_t t = 0; t < len; ++t) ph[t] = exp_approx(ph[t] - m);
     inv[h] = 1.0f / lane_sum(ph, len);
   }
-  __m512 o[H][4];
-  for (int h = 0; h < H; ++h) o[h][0] = o[h][1] = o[h][2] = o[h][3] = _mm512_setzero_ps();
+  typename V::T o[H][R64];
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < R64; ++j) o[h][j] = V::zero();
   for (int64_t t = 0; t < len; ++t) {
     const C* v = v0 + slots[t] * stride;
     if (t + kPrefetchKeys < len) prefetch_row64(v0 + slots[t + kPrefetchKeys] * stride);
-    __m512 v_0 = load16(v), v_1 = load16(v + 16), v_2 = load16(v + 32), v_3 = load16(v + 48);
+    typename V::T vr[R64];
+    for (int j = 0; j < R64; ++j) vr[j] = V::load(v + j * V::W);
     for (int h = 0; h < H; ++h) {
-      __m512 pt = _mm512_set1_ps(p[h * width + t]);
-      o[h][0] = _mm512_fmadd_ps(pt, v_0, o[h][0]);
-      o[h][1] = _mm512_fmadd_ps(pt, v_1, o[h][1]);
-      o[h][2] = _mm512_fmadd_ps(pt, v_2, o[h][2]);
-      o[h][3] = _mm512_fmadd_ps(pt, v_3, o[h][3]);
+      typename V::T pt = V::set1(p[h * width + t]);
+      for (int j = 0; j < R64; ++j) o[h][j] = V::fmadd(pt, vr[j], o[h][j]);
     }
   }
   for (int h = 0; h < H; ++h) {
-    __m512 s = _mm512_set1_ps(inv[h]);
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + 16 * j, _mm512_mul_ps(o[h][j], s));
+    typename V::T s = V::set1(inv[h]);
+    for (int j = 0; j < R64; ++j) V::store(out + h * 64 + V::W * j, V::mul(o[h][j], s));
   }
 }
 
-// Heads [g0, g0 + count) of one row, at most 4 at a time (their accumulators stay in registers).
+// Heads [g0, g0 + count) of one row, at most 4 at a time (AVX-512: their accumulators stay in registers).
 template <typename C>
 inline void attend_group64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
                            int64_t width, float scale, float* p, float* out, int count) {
@@ -396,9 +435,11 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 // Attention of each query row over exactly its own keys: q [N, H, D] float32, row_slots [N, Lr] (each row's cache
-// slots in position order, the first row_counts[r] real). One thread computes a whole (row, KV head) (or, off the
-// AVX512 head_dim-64 path, a whole (row, head)), each head in the same order whatever runs beside it, so the result
-// depends only on that row's keys. Returns [N, H, D] in out_dtype.
+// slots in position order, the first row_counts[r] real) or [1, Lr] (one list whose first row_counts[r] slots are
+// row r's keys: the causal rows of a prefill chunk). One thread computes a whole (row, KV head) (or, off the vector
+// head_dim-64 path, a whole (row, head)), each head in the same order whatever runs beside it, so the result depends
+// only on that row's keys: a position gets the same bits prefilled in any chunk, decoded alone or verified in a tree.
+// Returns [N, H, D] in out_dtype.
 torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor row_slots,
                           torch::Tensor row_counts, double scale, at::ScalarType out_dtype) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32");
@@ -408,15 +449,15 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   TORCH_CHECK(h % hkv == 0 && k_cache.size(2) == d, "head layout mismatch");
   auto slots = row_slots.to(at::kLong).contiguous();
   auto counts = row_counts.to(at::kLong).contiguous();
-  TORCH_CHECK(slots.size(0) == n && counts.numel() == n, "one key list per row");
+  bool shared = slots.size(0) == 1;  // every row reads a prefix of one list
+  TORCH_CHECK((shared || slots.size(0) == n) && counts.numel() == n, "one key list per row, or one for all rows");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* cn = counts.data_ptr<int64_t>();
-  int64_t slots_total = k_cache.size(0);
-  for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(cn[r] >= 1 && cn[r] <= width, "each row needs 1..width keys");
-    for (int64_t j = 0; j < cn[r]; ++j)
+  int64_t slots_total = k_cache.size(0), row_stride = shared ? 0 : width;
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(cn[r] >= 1 && cn[r] <= width, "each row needs 1..width keys");
+  for (int64_t r = 0; r < (shared ? 1 : n); ++r)
+    for (int64_t j = 0; j < (shared ? width : cn[r]); ++j)
       TORCH_CHECK(sl[r * width + j] >= 0 && sl[r * width + j] < slots_total, "key slot out of range");
-  }
   auto out = torch::empty({n, h, d}, q.options().dtype(out_dtype));
   const float* qp = q.data_ptr<float>();
   int64_t group = h / hkv;
@@ -424,15 +465,15 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "attend_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
-#ifdef __AVX512F__
+#ifdef EAGLEGATE_HEAD64
       if (d == 64) {  // one item per (row, KV head): its query heads share each key and value load
         at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
           std::vector<float> p(4 * width);
           std::vector<float> acc(group * d);
           for (int64_t item = b; item < e; ++item) {
             int64_t r = item / hkv, kvh = item % hkv, first = (r * h + kvh * group) * d;
-            attend_group64(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * width, cn[r], width, sc, p.data(),
-                           acc.data(), static_cast<int>(group));
+            attend_group64(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * row_stride, cn[r], width, sc,
+                           p.data(), acc.data(), static_cast<int>(group));
             for (int64_t i = 0; i < group * d; ++i) op[first + i] = from_f<scalar_t>(acc[i]);
           }
         });
@@ -445,7 +486,7 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
         for (int64_t item = b; item < e; ++item) {
           int64_t r = item / h, j = item % h, kvh = j / group, len = cn[r];
           const float* qr = qp + item * d;
-          const int64_t* rs = sl + r * width;
+          const int64_t* rs = sl + r * row_stride;
           for (int64_t t = 0; t < len; ++t) p[t] = dot(qr, kc + (rs[t] * hkv + kvh) * d, d) * sc;
           float m = p[0];
           for (int64_t t = 1; t < len; ++t) m = p[t] > m ? p[t] : m;
