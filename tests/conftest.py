@@ -63,6 +63,16 @@ def smol_engine(smol_dir):
 
 
 @pytest.fixture(scope="session")
+def served_engine(smol_dir):
+    """The default model as `eaglegate serve` runs it (the file's quantized weights on this CPU's auto kernel, its
+    auto dtype), tp=1, no speculation: the reference where a test's claim holds on any numerics (batch
+    independence, lossless speculation, sampling controls), several times faster to decode than float32."""
+    eng = Engine(EngineConfig(max_total_tokens=16384))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
 def hf_smol(smol_dir):
     """transformers' own load of the same GGUF, float32: the reference for logits and greedy text."""
     from devtools.models import transformers_reference

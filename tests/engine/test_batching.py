@@ -26,19 +26,19 @@ def _params(i: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def mixed_batch(smol_engine):
-    """The mixed prompts, their parameters and the float32 engine's output for them generated together."""
-    prompts = _mixed_prompts(smol_engine, 12)
+def mixed_batch(served_engine):
+    """The mixed prompts, their parameters and the served engine's output for them generated together."""
+    prompts = _mixed_prompts(served_engine, 12)
     params = [_params(i) for i in range(len(prompts))]
-    return prompts, params, smol_engine.generate(prompts, params)
+    return prompts, params, served_engine.generate(prompts, params)
 
 
-def test_batch_equals_each_alone_and_frees_kv(smol_engine, mixed_batch):
+def test_batch_equals_each_alone_and_frees_kv(served_engine, mixed_batch):
     prompts, params, together = mixed_batch
-    alone = [smol_engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    alone = [served_engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [len(r.token_ids) for r in together] == [p.max_new_tokens for p in params]
-    stats = smol_engine.stats.values
+    stats = served_engine.stats.values
     assert stats["kv_used_tokens"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
 
 
@@ -46,7 +46,7 @@ def test_pool_too_small_for_all_still_finishes(mixed_batch):
     prompts, params, ref = mixed_batch
     total = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
     # about a quarter of what all need at once, chunked prefill forcing several steps per long prompt
-    cfg = EngineConfig(dtype="float32", max_total_tokens=256, chunked_prefill_size=64, block_size=16)
+    cfg = EngineConfig(max_total_tokens=256, chunked_prefill_size=64, block_size=16)
     assert cfg.max_total_tokens < total / 2
     with Engine(cfg) as eng:
         out = eng.generate(prompts, params)
@@ -55,42 +55,42 @@ def test_pool_too_small_for_all_still_finishes(mixed_batch):
         assert eng.stats.values["kv_used_tokens"] == 0
 
 
-def test_seeded_sampling_reproducible_across_batches(smol_engine):
-    prompt = smol_engine.encode("Write a poem about the sea:")
+def test_seeded_sampling_reproducible_across_batches(served_engine):
+    prompt = served_engine.encode("Write a poem about the sea:")
     sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
-    alone = smol_engine.generate([prompt], [sp])[0].token_ids
-    others = _mixed_prompts(smol_engine, 6)
-    mixed = smol_engine.generate(
+    alone = served_engine.generate([prompt], [sp])[0].token_ids
+    others = _mixed_prompts(served_engine, 6)
+    mixed = served_engine.generate(
         others[:3] + [prompt] + others[3:],
         [SamplingParams(max_new_tokens=10, temperature=1.0)] * 3
         + [sp]
         + [SamplingParams(max_new_tokens=5, temperature=0.7, seed=9)] * 3,
     )
     assert mixed[3].token_ids == alone
-    other_seed = smol_engine.generate([prompt], [SamplingParams(max_new_tokens=24, temperature=0.9, seed=99)])[0]
+    other_seed = served_engine.generate([prompt], [SamplingParams(max_new_tokens=24, temperature=0.9, seed=99)])[0]
     assert other_seed.token_ids != alone
 
 
-def test_sampling_controls(smol_engine):
-    prompt = smol_engine.encode("List some fruits: apple, banana,")
+def test_sampling_controls(served_engine):
+    prompt = served_engine.encode("List some fruits: apple, banana,")
     # top_k=1 is greedy whatever the temperature
-    greedy = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
-    k1 = smol_engine.generate(
+    greedy = served_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    k1 = served_engine.generate(
         [prompt], SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
     )[0]
     assert k1.token_ids == greedy.token_ids
     # a strong repetition penalty changes a greedy continuation that repeats tokens
-    pen = smol_engine.generate(
+    pen = served_engine.generate(
         [prompt], SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.8, ignore_eos=True)
     )[0]
     assert pen.token_ids != greedy.token_ids
     # stop token ids end generation on that token
     stop_at = greedy.token_ids[5]
-    cut = smol_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop_at,)))[0]
+    cut = served_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop_at,)))[0]
     assert cut.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
     assert cut.finish_reason == "stop"
     # logprobs: the chosen token's logprob plus top alternatives, greedy picks the top one
-    lp = smol_engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=3))[0]
+    lp = served_engine.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0, logprobs=3))[0]
     assert len(lp.logprobs) == 4
     for entry in lp.logprobs:
         assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id
@@ -115,9 +115,9 @@ def test_sampling_controls(smol_engine):
         ("stop_token_ids", (10**9,), "stop_token_ids"),
     ],
 )
-def test_invalid_sampling_params_rejected(smol_engine, field, value, param):
+def test_invalid_sampling_params_rejected(served_engine, field, value, param):
     with pytest.raises(InvalidParameterError) as err:
-        smol_engine.generate([[1, 2, 3]], SamplingParams(**{field: value}))
+        served_engine.generate([[1, 2, 3]], SamplingParams(**{field: value}))
     assert err.value.param == param
     assert str(err.value)
 
@@ -152,33 +152,33 @@ def test_stats_snapshots_are_rate_limited_and_fresh_when_a_request_ends(smol_dir
     assert all(b.time - a.time >= 0.9 * SNAPSHOT_INTERVAL_S for a, b in zip(snaps, snaps[1:]))
 
 
-def test_a_batch_past_the_queue_limit_is_refused_whole(smol_engine):
+def test_a_batch_past_the_queue_limit_is_refused_whole(served_engine):
     """Admission counts every request of a batch (an `n`-choice request is n): one past the limit refuses them all,
     and none reaches rank 0."""
-    max_requests, max_tokens = smol_engine.queue_limits
-    assert max_requests == 64 + 8 * 64 and max_tokens == 5 * smol_engine.ready.kv_total_tokens  # the defaults
+    max_requests, max_tokens = served_engine.queue_limits
+    assert max_requests == 64 + 8 * 64 and max_tokens == 5 * served_engine.ready.kv_total_tokens  # the defaults
     reqs = [(f"busy-{i}", [1, 2, 3], SamplingParams(max_new_tokens=1)) for i in range(max_requests + 1)]
     with pytest.raises(EngineBusyError, match=f"the limit is {max_requests}"):
-        smol_engine.submit(reqs, [_Sink(lambda _: None) for _ in reqs])
-    assert smol_engine.num_in_flight == 0
-    assert smol_engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, temperature=0))[0].token_ids
+        served_engine.submit(reqs, [_Sink(lambda _: None) for _ in reqs])
+    assert served_engine.num_in_flight == 0
+    assert served_engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, temperature=0))[0].token_ids
 
 
-def test_a_request_past_its_timeout_finishes_on_rank_0_and_frees_its_kv(smol_engine):
+def test_a_request_past_its_timeout_finishes_on_rank_0_and_frees_its_kv(served_engine):
     """SamplingParams.timeout_s (--request-timeout): rank 0 finishes the request with finish_reason "timeout",
     keeps what it generated, returns its KV; a request beside it without a timeout is unaffected."""
     import time
 
-    prompt = smol_engine.encode("Count from one to ten thousand:")
+    prompt = served_engine.encode("Count from one to ten thousand:")
     endless = SamplingParams(max_new_tokens=6000, temperature=0, ignore_eos=True, timeout_s=1.0)
     short = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     t0 = time.monotonic()
-    timed, other = smol_engine.generate([prompt, prompt], [endless, short])
+    timed, other = served_engine.generate([prompt, prompt], [endless, short])
     assert timed.finish_reason == "timeout" and 0 < len(timed.token_ids) < 6000
     assert 1.0 <= time.monotonic() - t0 < 10
     n = min(8, len(timed.token_ids))  # a slow machine may time it out within its first 8 tokens
     assert other.finish_reason == "length" and len(other.token_ids) == 8 and other.token_ids[:n] == timed.token_ids[:n]
-    assert smol_engine.stats.values["kv_used_tokens"] == 0
+    assert served_engine.stats.values["kv_used_tokens"] == 0
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         SamplingParams(timeout_s=0).validate()
 

@@ -118,12 +118,12 @@ IDENTITY = [
 ]
 
 
-def test_constrained_eagle_output_is_identical_to_plain_constrained_output(smol_engine):
-    prompts = [smol_engine.encode(chat(smol_engine, q)) for q, _ in IDENTITY]
+def test_constrained_eagle_output_is_identical_to_plain_constrained_output(served_engine):
+    prompts = [served_engine.encode(chat(served_engine, q)) for q, _ in IDENTITY]
     params = [SamplingParams(max_new_tokens=64, temperature=0, grammar=g) for _, g in IDENTITY]
-    ref = smol_engine.generate(prompts, params)
+    ref = served_engine.generate(prompts, params)
     spec = _spec(num_steps=4, eagle_topk=4, num_draft_tokens=10, cost_table="off", disable_batch_size=0)
-    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
+    with Engine(EngineConfig(max_total_tokens=8192, spec=spec)) as eng:
         batched = eng.generate(prompts, params)  # the full tree on every step (no budget, no batch limit)
         stats = eng.stats.values
     assert [r.token_ids for r in batched] == [r.token_ids for r in ref]
