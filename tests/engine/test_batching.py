@@ -86,7 +86,8 @@ def test_sampling_controls(served_engine):
     assert pen.token_ids != greedy.token_ids
     # stop token ids end generation on that token
     stop_at = greedy.token_ids[5]
-    cut = served_engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop_at,)))[0]
+    stopping = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop_at,))
+    cut = served_engine.generate([prompt], stopping)[0]
     assert cut.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
     assert cut.finish_reason == "stop"
     # logprobs: the chosen token's logprob plus top alternatives, greedy picks the top one
