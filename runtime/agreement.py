@@ -48,6 +48,7 @@ LOCAL_SETTINGS = {
     "max_total_tokens",
     "max_queued_requests",  # admission is the front end's, on node 0 alone
     "max_queued_tokens",
+    "grammar_compile_timeout",  # grammars compile on rank 0 alone
     "device",
     "dtype",
     "quantization",

@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="requests in flight past the running batch before new ones get a 429 (8 x --max-running-requests)",
     )
     p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a response format or guided grammar may take to compile before its request gets a 400",
+    )
+    p.add_argument(
         "--max-queued-tokens",
         type=int,
         default=None,
@@ -187,6 +193,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         chunked_prefill_size=args.chunked_prefill_size,
         disable_radix_cache=args.disable_radix_cache,
         attention_backend=args.attention_backend,

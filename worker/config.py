@@ -68,6 +68,7 @@ class EngineConfig:
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
     chunked_prefill_size: int = 512
+    grammar_compile_timeout: float = 5.0  # seconds rank 0's grammar compile may take before the request is refused
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto (triton on GPUs, torch on CPU) | torch (the reference) | triton (paged)
     enforce_eager: bool = False  # no graph capture on GPUs (worker/kernels/cuda_graph.py)
@@ -118,6 +119,8 @@ class EngineConfig:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; use auto, torch or triton")
         if self.cuda_graph_max_rows < 1:
             raise ValueError("cuda_graph_max_rows must be >= 1")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0 seconds")
         if self.block_size < 1 or self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("block_size, chunked_prefill_size and max_running_requests must be >= 1")
         if self.debug_skip_decision_broadcast and not (self.debug_rank_logit_noise or self.debug_rank_router_noise):

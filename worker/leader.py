@@ -65,6 +65,7 @@ class Leader:
             functools.partial(load_tokenizer, runner.source, config.tokenizer_path),
             self.model_cfg.vocab_size,
             self.eos_ids,
+            config.grammar_compile_timeout,
         )
         self.compiling: dict[str, tuple[AddRequest, torch.Generator]] = {}  # requests whose grammar compiles
         self.expiry_checked = float("-inf")

@@ -43,10 +43,10 @@ def _table(tmp_path, data: dict) -> str:
     return str(path)
 
 
-def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_path):
-    prompts = [smol_engine.encode(p) for p in ["A A A A A A A A", "The capital of France is", "1 2 3 1 2 3 1 2"]]
+def test_the_cost_table_decides_whether_to_draft(served_engine, copy_head, tmp_path):
+    prompts = [served_engine.encode(p) for p in ["A A A A A A A A", "The capital of France is", "1 2 3 1 2 3 1 2"]]
     params = [SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)] * len(prompts)
-    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
+    ref = [r.token_ids for r in served_engine.generate(prompts, params)]
     spec = dataclasses.replace(
         default_spec_config(),
         algorithm="EAGLE",
@@ -57,9 +57,7 @@ def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_pat
     )
     stats = {}
     for name, table in (("steep", STEEP), ("flat", FLAT)):
-        cfg = EngineConfig(
-            dtype="float32", max_total_tokens=4096, spec=dataclasses.replace(spec, cost_table=_table(tmp_path, table))
-        )
+        cfg = EngineConfig(max_total_tokens=4096, spec=dataclasses.replace(spec, cost_table=_table(tmp_path, table)))
         with Engine(cfg) as eng:
             assert [r.token_ids for r in eng.generate(prompts, params)] == ref
             stats[name] = dict(eng.stats.values)
@@ -72,11 +70,15 @@ def test_the_cost_table_decides_whether_to_draft(smol_engine, copy_head, tmp_pat
 
 
 @pytest.mark.parametrize("tp", [1, 3])
-def test_context_drafts_copy_a_passage_several_tokens_a_step(smol_engine, tmp_path, tp):
-    prompt = smol_engine.encode(chat(smol_engine, f"Repeat this passage exactly:\n\n{PASSAGE}"))
-    ref = smol_engine.generate([prompt], _greedy(48))[0].token_ids
+def test_context_drafts_copy_a_passage_several_tokens_a_step(request, tmp_path, tp):
+    """At tp=1 on the served numerics; at tp=3 in float32 against float32 at tp=1 (the served kernels round each
+    rank's partial sums before they meet, so tp=3 may part from tp=1 at a near-tie: see test_quantization.py)."""
+    plain = request.getfixturevalue("served_engine" if tp == 1 else "smol_engine")
+    prompt = plain.encode(chat(plain, f"Repeat this passage exactly:\n\n{PASSAGE}"))
+    ref = plain.generate([prompt], _greedy(48))[0].token_ids
     spec = dataclasses.replace(default_spec_config(), cost_table=_table(tmp_path, FLAT))
-    with Engine(EngineConfig(dtype="float32", max_total_tokens=4096, tp_size=tp, spec=spec)) as eng:
+    dtype = "auto" if tp == 1 else "float32"
+    with Engine(EngineConfig(dtype=dtype, max_total_tokens=4096, tp_size=tp, spec=spec)) as eng:
         out = eng.generate([prompt], _greedy(48))[0].token_ids
         s = eng.stats.values
     assert out == ref
@@ -89,18 +91,18 @@ def test_context_drafts_copy_a_passage_several_tokens_a_step(smol_engine, tmp_pa
     assert s["spec_context_accepted_tokens"] > s["spec_eagle_accepted_tokens"]
 
 
-def test_corpus_drafts_an_answer_the_target_gave_before(smol_engine, tmp_path):
+def test_corpus_drafts_an_answer_the_target_gave_before(served_engine, tmp_path):
     """A corpus holding the target's own answer (a folder in the distilled format, built once, then read from the
     cache): its chains are verified and accepted, several tokens a step, and the output is plain greedy's."""
-    question = chat(smol_engine, "Name three things a lighthouse keeper does every day.")
-    prompt = smol_engine.encode(question)
-    ref = smol_engine.generate([prompt], _greedy(48))[0].token_ids
+    question = chat(served_engine, "Name three things a lighthouse keeper does every day.")
+    prompt = served_engine.encode(question)
+    ref = served_engine.generate([prompt], _greedy(48))[0].token_ids
     folder = tmp_path / "answers"
     folder.mkdir()
     with gzip.open(folder / "answers-000.jsonl.gz", "wt") as f:
         f.write(json.dumps({"i": 0, "ids": ref}) + "\n")
     spec = dataclasses.replace(default_spec_config(), cost_table=_table(tmp_path, FLAT), corpus=str(folder))
-    config = EngineConfig(dtype="float32", max_total_tokens=4096, spec=spec)
+    config = EngineConfig(max_total_tokens=4096, spec=spec)
     built, cached = load_corpus(config), load_corpus(config)
     assert cached.draft(ref[:8], 4) == built.draft(ref[:8], 4) == (ref[8:12], 1, 8)
     with Engine(config) as eng:

@@ -183,19 +183,23 @@ def test_bad_grammars_are_refused_before_rank_0(spec):
 SLOW = GrammarSpec("json_schema", json.dumps(slow_schema()))
 
 
-def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_stepping(smol_engine):
-    """Rank 0 compiles grammars in a child process; a compile past COMPILE_TIMEOUT_S is killed and its request fails
-    with the limit named, while plain requests step meanwhile; the next grammar gets a fresh child. (At tp=3 through
-    HTTP: tests/server/test_reliability.py.)"""
+def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_stepping(smol_dir):
+    """Rank 0 compiles grammars in a child process; a compile past `--grammar-compile-timeout` (5 s by default; 1 s
+    here) is killed and its request fails with the limit named, while plain requests step meanwhile; the next grammar
+    gets a fresh child. (At tp=3 through HTTP: tests/server/test_reliability.py.)"""
+    check_grammar(SLOW)  # the front end lets it through
+    limit = 1.0
+    with Engine(EngineConfig(max_total_tokens=4096, grammar_compile_timeout=limit)) as eng:
+        _slow_grammar_is_refused(eng, limit)
+
+
+def _slow_grammar_is_refused(eng: Engine, limit: float) -> None:
     import queue
     import time
 
     from runtime.engine import _Sink
     from worker.protocol import ERROR_INVALID_GRAMMAR
-    from worker.sampling.grammar_process import COMPILE_TIMEOUT_S
 
-    check_grammar(SLOW)  # the front end lets it through
-    eng = smol_engine
     prompt = eng.encode("Tell me a story about a fox.")
     greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     reference = eng.generate([prompt], greedy)[0].token_ids
@@ -214,8 +218,8 @@ def test_a_slow_grammar_is_refused_at_the_limit_while_plain_requests_keep_steppi
             finished[rid] = (t, out)
     t_slow, slow = finished["slow"]
     assert slow.finish_reason == "error" and slow.error_code == ERROR_INVALID_GRAMMAR
-    assert f"compiling took longer than the limit of {COMPILE_TIMEOUT_S:g} s" in slow.error
-    assert COMPILE_TIMEOUT_S <= t_slow < COMPILE_TIMEOUT_S + 60
+    assert f"compiling took longer than the limit of {limit:g} s" in slow.error
+    assert limit <= t_slow < limit + 60
     assert all(first_token[r] < t_slow for r in ("plain0", "plain1"))  # they stepped while it compiled
     assert tokens["plain0"] == tokens["plain1"] == reference
     after = eng.generate([prompt], SamplingParams(max_new_tokens=8, grammar=GrammarSpec("json_object")))

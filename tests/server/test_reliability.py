@@ -311,13 +311,15 @@ def _stream_chat(base_url: str, body: dict, out: dict) -> None:
 
 
 def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(tmp_path, smol_dir):
-    """At tp=3: grammars over a limit (nesting 250 and 400, a repeat cap) and one that compiles past the limit each get
-    a 400 naming it while plain streams keep completing, with no restart, and the next grammar is served. Then SIGTERM
-    during streams: new requests and /health/ready get 503 while the streams run to their full length, and the process
-    exits 0 with no process left behind. (A small model with SmolLM2's tokenizer: 6 heads over 3 KV heads.)"""
+    """At tp=3: grammars over a limit (nesting 250 and 400, a repeat cap) and one that compiles past the limit (set to
+    1 s) each get a 400 naming it while plain streams keep completing, with no restart, and the next grammar is
+    served. Then SIGTERM during streams: new requests and /health/ready get 503 while the streams run to their full
+    length, and the process exits 0 with no process left behind. (A small model with SmolLM2's tokenizer: 6 heads
+    over 3 KV heads.)"""
     model = save_tiny_model(tmp_path / "m", "llama", heads=6, kv_heads=3, hidden=48, intermediate=96, seed=3)
     s = ServerProcess(["--model-path", str(model), "--served-model-name", "tiny", "--tp-size", "3",
-                       "--dtype", "float32", "--speculative-algorithm", "NONE"])  # fmt: skip
+                       "--dtype", "float32", "--speculative-algorithm", "NONE",
+                       "--grammar-compile-timeout", "1"])  # fmt: skip
     tree = descendants(s.proc.pid)
     url = s.base_url + "/v1/chat/completions"
     plain = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about owls."}]}
@@ -331,7 +333,7 @@ def test_tp3_grammars_at_their_limits_then_sigterm_drains_streams_to_their_end(t
         refused = [
             (json.loads(nested_schema(250)), "nests deeper than the limit of 128"),
             (json.loads(nested_schema(400)), "nests deeper than the limit of 128"),
-            (slow_schema(), "compiling took longer than the limit of 5 s"),
+            (slow_schema(), "compiling took longer than the limit of 1 s"),
         ]
         for schema, reason in refused:
             fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
