@@ -91,18 +91,18 @@ def test_context_drafts_copy_a_passage_several_tokens_a_step(request, tmp_path, 
     assert s["spec_context_accepted_tokens"] > s["spec_eagle_accepted_tokens"]
 
 
-def test_corpus_drafts_an_answer_the_target_gave_before(served_engine, tmp_path):
+def test_corpus_drafts_an_answer_the_target_gave_before(smol_engine, tmp_path):
     """A corpus holding the target's own answer (a folder in the distilled format, built once, then read from the
     cache): its chains are verified and accepted, several tokens a step, and the output is plain greedy's."""
-    question = chat(served_engine, "Name three things a lighthouse keeper does every day.")
-    prompt = served_engine.encode(question)
-    ref = served_engine.generate([prompt], _greedy(48))[0].token_ids
+    question = chat(smol_engine, "Name three things a lighthouse keeper does every day.")
+    prompt = smol_engine.encode(question)
+    ref = smol_engine.generate([prompt], _greedy(48))[0].token_ids
     folder = tmp_path / "answers"
     folder.mkdir()
     with gzip.open(folder / "answers-000.jsonl.gz", "wt") as f:
         f.write(json.dumps({"i": 0, "ids": ref}) + "\n")
     spec = dataclasses.replace(default_spec_config(), cost_table=_table(tmp_path, FLAT), corpus=str(folder))
-    config = EngineConfig(max_total_tokens=4096, spec=spec)
+    config = EngineConfig(dtype="float32", max_total_tokens=4096, spec=spec)
     built, cached = load_corpus(config), load_corpus(config)
     assert cached.draft(ref[:8], 4) == built.draft(ref[:8], 4) == (ref[8:12], 1, 8)
     with Engine(config) as eng:
