@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine import Engine
+from training.train import main as train_main
 from worker.config import EngineConfig, SpecConfig
 from worker.sampling.params import SamplingParams
 
@@ -100,17 +101,16 @@ def test_train_draft_tiny_budget_end_to_end(tmp_path, smol_engine, kind):
         assert first_p.shape == (len(data["seqs"][0]), 4) and (first_p[:, :-1] >= first_p[:, 1:]).all()
         assert (first_ids[:, 0] == data["labels"][0]).all()  # the top choice is the greedy label
         assert (first_p.sum(-1) <= 1.001).all()
-        # a cache recorded with soft labels is not silently trained on as hard labels (or the other way)
+        # a cache recorded with soft labels is not silently trained on as hard labels (or the other way); the
+        # command's own entry point, in this process (each run above already went through the command line)
         at = cmd.index("--soft-topk")
-        hard = cmd[:at] + cmd[at + 2 :]
-        r3 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
-        assert r3.returncode != 0 and "holds soft labels of top-4 (0: none), not --soft-topk 0" in r3.stderr, r3.stderr[
-            -2000:
-        ]
+        hard = cmd[cmd.index("train-draft") + 1 : at] + cmd[at + 2 :]
+        with pytest.raises(SystemExit, match=r"holds soft labels of top-4 \(0: none\), not --soft-topk 0"):
+            train_main(hard)
         # nor is an unfinished recording finished with other settings
         record.write_text(json.dumps(json.loads(record.read_text()) | {"complete": False}))
-        r4 = subprocess.run(hard, capture_output=True, text=True, timeout=900)
-        assert r4.returncode != 0 and "soft_topk: recorded 4, asked 0" in r4.stderr, r4.stderr[-2000:]
+        with pytest.raises(SystemExit, match="soft_topk: recorded 4, asked 0"):
+            train_main(hard)
     assert_serves_losslessly(smol_engine, out)
 
 
