@@ -327,20 +327,13 @@ def test_quantized_logits_match_float32_reference(runner, hf_smol, smol_engine, 
         assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-@pytest.fixture(scope="module")
-def quantized_engine():
-    """The default model as served on this CPU, plain: the quantized side of the greedy and tp=3 tests."""
-    with Engine(QUANTIZED) as eng:
-        yield eng
-
-
-def test_quantized_greedy_matches_reference_up_to_near_ties(hf_smol, smol_engine, quantized_engine):
+def test_quantized_greedy_matches_reference_up_to_near_ties(hf_smol, smol_engine, served_engine):
     """64 greedy tokens: identical to the float32 reference (the float32 engine, which equals transformers' generate
     on the same GGUF: tests/engine/test_reference.py), or parting where transformers' top two logits nearly tie."""
     tok = smol_engine.tokenizer
     prompts = [tok.encode(chat(smol_engine, p), add_special_tokens=False) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=64, temperature=0)
-    ours = [r.token_ids for r in quantized_engine.generate(prompts, params)]
+    ours = [r.token_ids for r in served_engine.generate(prompts, params)]
     refs = [r.token_ids for r in smol_engine.generate(prompts, params)]
     identical = 0
     for ids, out, ref in zip(prompts, ours, refs):
@@ -356,13 +349,13 @@ def test_quantized_greedy_matches_reference_up_to_near_ties(hf_smol, smol_engine
     print(f"quantized greedy: {identical}/{len(prompts)} identical to the float32 reference")
 
 
-def test_tp3_quantized_matches_tp1(smol_engine, quantized_engine):
+def test_tp3_quantized_matches_tp1(smol_engine, served_engine):
     """Every rank holds its shard of the file's own blocks. Row-parallel partial sums are rounded to bfloat16 by the
     kernel on each rank before they meet, so tp=3 may part from tp=1 at a near-tie (top-2 gap under 0.25 nats),
     never at a clear choice; most outputs are identical."""
     prompts = [smol_engine.encode(chat(smol_engine, p)) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    ref = quantized_engine.generate(prompts, params)
+    ref = served_engine.generate(prompts, params)
     with Engine(QUANTIZED.replace(tp_size=3)) as eng:
         out = [r.token_ids for r in eng.generate(prompts, params)]
     identical = 0
