@@ -74,12 +74,11 @@ def _spec(**kw) -> SpecConfig:  # every step drafts: calibration is not under te
     return SpecConfig("EAGLE3", str(DEFAULT_HEAD), **({"cost_table": "off"} | kw))
 
 
-def test_random_schemas_validate_without_speculation(smol_dir):
+def test_random_schemas_validate_without_speculation(served_engine):
     """A sample, on the default model as served (quantized weights, this CPU's kernel): grammars are applied to
     logits on rank 0 whatever the dtype, and this engine decodes several times faster than float32. The whole set
     runs with speculation below, where drafts meet the grammar."""
-    with Engine(EngineConfig(max_total_tokens=32768)) as eng:
-        _assert_valid(eng.generate(*_requests(eng, 12)))
+    _assert_valid(served_engine.generate(*_requests(served_engine, 12)))
 
 
 @pytest.mark.parametrize("tp", [1, 3])
