@@ -43,14 +43,15 @@ def test_shipped_head_accepts_more_than_one_and_three_quarter_tokens_per_step(sm
     assert stats["spec_accept_length_mean"] > 1.8
 
 
-def test_large_decode_batches_skip_speculation_when_asked(smol_engine):
-    """--speculative-disable-batch-size: a batch at the limit decodes plainly (same output), a lone request drafts."""
-    prompts = [smol_engine.encode(chat(smol_engine, q)) for q in QUESTIONS]
+def test_large_decode_batches_skip_speculation_when_asked(served_engine):
+    """--speculative-disable-batch-size: a batch at the limit decodes plainly (same output), a lone request drafts.
+    On the served numerics, as `eaglegate serve` runs the default model."""
+    prompts = [served_engine.encode(chat(served_engine, q)) for q in QUESTIONS]
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)  # the batch stays whole
-    ref = [r.token_ids for r in smol_engine.generate(prompts, params)]
+    ref = [r.token_ids for r in served_engine.generate(prompts, params)]
     spec = resolve_spec_config(_cli("--speculative-disable-batch-size", "2"))
     assert spec.disable_batch_size == 2
-    with Engine(EngineConfig(dtype="float32", max_total_tokens=8192, spec=spec)) as eng:
+    with Engine(EngineConfig(max_total_tokens=8192, spec=spec)) as eng:
         out = [r.token_ids for r in eng.generate(prompts, params)]
         batched_steps = eng.stats.values["spec_verify_steps"]
         alone = eng.generate([prompts[0]], params)[0].token_ids
