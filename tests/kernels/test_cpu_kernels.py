@@ -66,7 +66,7 @@ def test_rope_write_cache_matches_eager_rotary(rot, cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 48])  # the vector head-64 path (AVX-512 or AVX2) and the generic one
+@pytest.mark.parametrize("d", [64, 128, 48])  # the vector paths (AVX-512 or AVX2) and the generic one
 def test_attend_rows_matches_softmax_attention_and_is_row_independent(d, cache_dtype):
     h, hkv, slots_total = 9, 3, 512
     g = _gen()
@@ -94,7 +94,7 @@ def test_attend_rows_matches_softmax_attention_and_is_row_independent(d, cache_d
         assert torch.equal(alone[0], out[r])  # bits independent of the rows beside it
 
 
-@pytest.mark.parametrize("d", [64, 48])
+@pytest.mark.parametrize("d", [64, 128, 48])
 def test_a_chunks_rows_over_one_shared_list_get_the_bits_each_row_gets_alone(d):
     """A prefill chunk passes one key list for all its rows (row r reads its first counts[r] slots): every row gets
     the bits of the same position decoded alone, so a prompt's numbers do not depend on how it was chunked or how

@@ -126,16 +126,16 @@ void check_rows(const torch::Tensor& x, const char* name) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define EAGLEGATE_HEAD64 1
-// Head size 64 in vector registers (AVX-512: 4 per row; AVX2: 8): the accumulators stay in registers and each dot
-// product is reduced by one fixed shuffle sequence.
+#define EAGLEGATE_HEAD_VEC 1
+// Head sizes 64 and 128 in vector registers (a 64-wide row is 4 AVX-512 registers or 8 AVX2 ones): the accumulators
+// stay in registers where they fit and each dot product is reduced by one fixed shuffle sequence.
 // The cache rows a step reads were evicted by the weights streamed since the last step, and a row's keys are
 // gathered by slot, so the hardware prefetcher sees no stream: fetch the key (value) row this many ahead.
 constexpr int64_t kPrefetchKeys = 32;
 
-template <typename C>
-inline void prefetch_row64(const C* row) {  // one head's 64 cached values
-  for (size_t b = 0; b < 64 * sizeof(C); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+template <int D, typename C>
+inline void prefetch_row(const C* row) {  // one head's D cached values
+  for (size_t b = 0; b < D * sizeof(C); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
 #ifdef __AVX512F__
@@ -196,31 +196,30 @@ struct Vec {  // 8 float32 lanes (AVX2 and FMA)
   }
 };
 #endif
-constexpr int R64 = 64 / Vec::W;  // registers per head row
-
-// The query heads g0 .. g0 + H of one row that share a KV head (GQA), head_dim 64: each cached key and value row is
+// The query heads g0 .. g0 + H of one row that share a KV head (GQA), head_dim D: each cached key and value row is
 // loaded and widened once for all of them. Scores go Vec::W keys at a time through Vec::sums; each head's softmax
 // and weighted sum of values run in a fixed order over the row's own keys, so its result is the same whatever other
 // heads or rows run beside it.
-template <typename C, int H>
-inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
-                           int64_t width, float scale, float* p, float* out) {
+template <typename C, int H, int D>
+inline void attend_heads(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
+                         int64_t width, float scale, float* p, float* out) {
   using V = Vec;
+  constexpr int R = D / V::W;  // registers per head row
   typename V::T part[H][V::W];
   float block[V::W];
-  for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(k0 + slots[t] * stride);
+  for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row<D>(k0 + slots[t] * stride);
   for (int64_t t0 = 0; t0 < len; t0 += V::W) {
     int64_t n = std::min<int64_t>(V::W, len - t0);
     for (int64_t i = 0; i < n; ++i) {
       int64_t t = t0 + i;
       const C* k = k0 + slots[t] * stride;
-      if (t + kPrefetchKeys < len) prefetch_row64(k0 + slots[t + kPrefetchKeys] * stride);
-      typename V::T kr[R64];
-      for (int j = 0; j < R64; ++j) kr[j] = V::load(k + j * V::W);
+      if (t + kPrefetchKeys < len) prefetch_row<D>(k0 + slots[t + kPrefetchKeys] * stride);
+      typename V::T kr[R];
+      for (int j = 0; j < R; ++j) kr[j] = V::load(k + j * V::W);
       for (int h = 0; h < H; ++h) {  // two chains (even and odd registers), then their sum
-        const float* qh = q + h * 64;
+        const float* qh = q + h * D;
         typename V::T a = V::mul(V::load(qh), kr[0]), b = V::mul(V::load(qh + V::W), kr[1]);
-        for (int j = 2; j < R64; j += 2) {
+        for (int j = 2; j < R; j += 2) {
           a = V::fmadd(V::load(qh + j * V::W), kr[j], a);
           b = V::fmadd(V::load(qh + (j + 1) * V::W), kr[j + 1], b);
         }
@@ -233,7 +232,7 @@ inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t str
       std::memcpy(p + h * width + t0, block, n * sizeof(float));
     }
   }
-  for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row64(v0 + slots[t] * stride);  // under the softmax
+  for (int64_t t = 0; t < len && t < kPrefetchKeys; ++t) prefetch_row<D>(v0 + slots[t] * stride);  // under the softmax
   float inv[H];
   for (int h = 0; h < H; ++h) {
     float* ph = p + h * width;
@@ -242,44 +241,44 @@ inline void attend_heads64(const float* q, const C* k0, const C* v0, int64_t str
     for (int64_t t = 0; t < len; ++t) ph[t] = exp_approx(ph[t] - m);
     inv[h] = 1.0f / lane_sum(ph, len);
   }
-  typename V::T o[H][R64];
+  typename V::T o[H][R];
   for (int h = 0; h < H; ++h)
-    for (int j = 0; j < R64; ++j) o[h][j] = V::zero();
+    for (int j = 0; j < R; ++j) o[h][j] = V::zero();
   for (int64_t t = 0; t < len; ++t) {
     const C* v = v0 + slots[t] * stride;
-    if (t + kPrefetchKeys < len) prefetch_row64(v0 + slots[t + kPrefetchKeys] * stride);
-    typename V::T vr[R64];
-    for (int j = 0; j < R64; ++j) vr[j] = V::load(v + j * V::W);
+    if (t + kPrefetchKeys < len) prefetch_row<D>(v0 + slots[t + kPrefetchKeys] * stride);
+    typename V::T vr[R];
+    for (int j = 0; j < R; ++j) vr[j] = V::load(v + j * V::W);
     for (int h = 0; h < H; ++h) {
       typename V::T pt = V::set1(p[h * width + t]);
-      for (int j = 0; j < R64; ++j) o[h][j] = V::fmadd(pt, vr[j], o[h][j]);
+      for (int j = 0; j < R; ++j) o[h][j] = V::fmadd(pt, vr[j], o[h][j]);
     }
   }
   for (int h = 0; h < H; ++h) {
     typename V::T s = V::set1(inv[h]);
-    for (int j = 0; j < R64; ++j) V::store(out + h * 64 + V::W * j, V::mul(o[h][j], s));
+    for (int j = 0; j < R; ++j) V::store(out + h * D + V::W * j, V::mul(o[h][j], s));
   }
 }
 
 // Heads [g0, g0 + count) of one row, at most 4 at a time (AVX-512: their accumulators stay in registers).
-template <typename C>
-inline void attend_group64(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
-                           int64_t width, float scale, float* p, float* out, int count) {
+template <int D, typename C>
+inline void attend_group(const float* q, const C* k0, const C* v0, int64_t stride, const int64_t* slots, int64_t len,
+                         int64_t width, float scale, float* p, float* out, int count) {
   for (int h = 0; h < count; h += 4) {
-    const float* qh = q + h * 64;
-    float* oh = out + h * 64;
+    const float* qh = q + h * D;
+    float* oh = out + h * D;
     switch (std::min(4, count - h)) {
       case 1:
-        attend_heads64<C, 1>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        attend_heads<C, 1, D>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
         break;
       case 2:
-        attend_heads64<C, 2>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        attend_heads<C, 2, D>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
         break;
       case 3:
-        attend_heads64<C, 3>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        attend_heads<C, 3, D>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
         break;
       default:
-        attend_heads64<C, 4>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
+        attend_heads<C, 4, D>(qh, k0, v0, stride, slots, len, width, scale, p, oh);
         break;
     }
   }
@@ -437,9 +436,9 @@ torch::Tensor rope_write_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // Attention of each query row over exactly its own keys: q [N, H, D] float32, row_slots [N, Lr] (each row's cache
 // slots in position order, the first row_counts[r] real) or [1, Lr] (one list whose first row_counts[r] slots are
 // row r's keys: the causal rows of a prefill chunk). One thread computes a whole (row, KV head) (or, off the vector
-// head_dim-64 path, a whole (row, head)), each head in the same order whatever runs beside it, so the result depends
-// only on that row's keys: a position gets the same bits prefilled in any chunk, decoded alone or verified in a tree.
-// Returns [N, H, D] in out_dtype.
+// head_dim 64 and 128 paths, a whole (row, head)), each head in the same order whatever runs beside it, so the result
+// depends only on that row's keys: a position gets the same bits prefilled in any chunk, decoded alone or verified in a
+// tree. Returns [N, H, D] in out_dtype.
 torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor row_slots,
                           torch::Tensor row_counts, double scale, at::ScalarType out_dtype) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32");
@@ -454,9 +453,13 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* cn = counts.data_ptr<int64_t>();
   int64_t slots_total = k_cache.size(0), row_stride = shared ? 0 : width;
-  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(cn[r] >= 1 && cn[r] <= width, "each row needs 1..width keys");
-  for (int64_t r = 0; r < (shared ? 1 : n); ++r)
-    for (int64_t j = 0; j < (shared ? width : cn[r]); ++j)
+  int64_t most = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(cn[r] >= 1 && cn[r] <= width, "each row needs 1..width keys");
+    most = std::max(most, cn[r]);
+  }
+  for (int64_t r = 0; r < (shared ? 1 : n); ++r)  // the slots the rows read
+    for (int64_t j = 0; j < (shared ? most : cn[r]); ++j)
       TORCH_CHECK(sl[r * width + j] >= 0 && sl[r * width + j] < slots_total, "key slot out of range");
   auto out = torch::empty({n, h, d}, q.options().dtype(out_dtype));
   const float* qp = q.data_ptr<float>();
@@ -465,15 +468,17 @@ torch::Tensor attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out_dtype, "attend_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     with_cache_type(k_cache, v_cache, [&](auto* kc, auto* vc) {
-#ifdef EAGLEGATE_HEAD64
-      if (d == 64) {  // one item per (row, KV head): its query heads share each key and value load
+#ifdef EAGLEGATE_HEAD_VEC
+      if (d == 64 || d == 128) {  // one item per (row, KV head): its query heads share each key and value load
         at::parallel_for(0, n * hkv, 1, [&](int64_t b, int64_t e) {
           std::vector<float> p(4 * width);
           std::vector<float> acc(group * d);
           for (int64_t item = b; item < e; ++item) {
             int64_t r = item / hkv, kvh = item % hkv, first = (r * h + kvh * group) * d;
-            attend_group64(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * row_stride, cn[r], width, sc,
-                           p.data(), acc.data(), static_cast<int>(group));
+            auto group_of = d == 64 ? attend_group<64, std::remove_pointer_t<decltype(kc)>>
+                                    : attend_group<128, std::remove_pointer_t<decltype(kc)>>;
+            group_of(qp + first, kc + kvh * d, vc + kvh * d, hkv * d, sl + r * row_stride, cn[r], width, sc, p.data(),
+                     acc.data(), static_cast<int>(group));
             for (int64_t i = 0; i < group * d; ++i) op[first + i] = from_f<scalar_t>(acc[i]);
           }
         });
